@@ -1,0 +1,110 @@
+"""Frozen configuration dataclasses: the model, its RoPE variant and the KV cache.
+
+Everything here is hashable so that a config can be a static argument of `jax.jit`.
+Changing any field of a config passed statically triggers a recompile; nothing else does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax.numpy as jnp
+
+Arch = Literal["llama", "gemma3"]
+LayerType = Literal["full_attention", "sliding_attention"]
+Activation = Literal["silu", "gelu_tanh"]
+CacheLayout = Literal["bhsd", "bshd"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency-scaling variant, as Hugging Face configs spell it.
+
+    kind:
+      "default" - plain RoPE.
+      "linear"  - positions divided by `factor` (all frequencies scaled).
+      "llama3"  - Llama 3.1 smooth scaling between `low_freq_factor` and `high_freq_factor`
+                  wavelengths relative to `original_max_position_embeddings`.
+    """
+
+    kind: Literal["default", "linear", "llama3"] = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama family or Gemma 3).
+
+    Norm weights in the params pytree are always the *effective* multiplier: loaders fold Gemma's
+    `(1 + w)` convention in, so model code applies `x * w` for both families.
+    """
+
+    arch: Arch
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()
+    # Sliding-window layers (Gemma 3 local layers) use their own RoPE base and no scaling.
+    rope_local_theta: float = 10000.0
+    sliding_window: int | None = None
+    layer_types: tuple[LayerType, ...] = ()
+    tie_word_embeddings: bool = False
+    activation: Activation = "silu"
+    # Gemma scales queries by query_pre_attn_scalar**-0.5 instead of head_dim**-0.5.
+    query_pre_attn_scalar: float | None = None
+    # Gemma 3: RMSNorm on q and k per head, extra post-attention / post-MLP norms, sqrt(hidden) embed scale.
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float = 1.0
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    name: str = ""
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"{len(self.layer_types)=} must equal {self.num_layers=}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a sliding_window")
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def num_query_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """The preallocated KV cache: every layer, every slot, `max_len` positions.
+
+    layout:
+      "bhsd" - k/v are [layers, slots, kv_heads, max_len, head_dim] (decode reads contiguous rows per head).
+      "bshd" - k/v are [layers, slots, max_len, kv_heads, head_dim] (one write per token is contiguous).
+    """
+
+    num_slots: int
+    max_len: int
+    dtype: str = "float32"
+    layout: CacheLayout = "bhsd"
+
+    def __post_init__(self):
+        if self.num_slots < 1 or self.max_len < 1:
+            raise ValueError(f"{self.num_slots=} and {self.max_len=} must be positive")
+        jnp.dtype(self.dtype)  # raises on an unknown dtype name

@@ -1,0 +1,392 @@
+"""The Engine on JAX: jitted prefill and decode over one donated device state (cache + per-slot sampling).
+
+Programs, all compiled ahead of time and kept in a table keyed by their static shape bucket:
+  prefill(T, A): one prompt chunk of T tokens (bucketed) into one slot, attending over A cache positions.
+  decode(A):     one token for every slot, attending over the first A cache positions, where A is the
+                 smallest bucket that holds the longest active slot.
+  release:       deactivate one slot.
+Nothing else is traced while serving: `warmup()` compiles every bucket, and `compile_count` tells a test
+whether anything compiled later. With JAX's persistent compilation cache on, a second start reuses them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer import engine as api
+from jaxinfer.config import CacheConfig, ModelConfig
+from jaxinfer.kv_cache import KVCache, init_cache
+from jaxinfer.model import forward
+from jaxinfer.params import Params
+from jaxinfer.request import SamplingParams
+from jaxinfer.sampling import SlotSampling, sample, split_seed
+from jaxinfer.sharding import kv_cache_spec, make_mesh, slot_spec
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_IDS = 16  # stop token ids per request checked on device (eos ids included)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+    """Everything on the device that lives across steps. Arrays are [slots, ...]."""
+
+    cache: KVCache
+    tokens: jax.Array  # int32: the last sampled token, input of the next decode step
+    lengths: jax.Array  # int32: tokens held in the cache = position of `tokens`
+    active: jax.Array  # bool
+    generated: jax.Array  # int32: output tokens so far
+    max_tokens: jax.Array  # int32
+    stop_ids: jax.Array  # int32 [slots, MAX_STOP_IDS], -1 padded
+    sampling: SlotSampling
+    seen: jax.Array  # bool [slots, vocab]: tokens of the prompt and output, for penalties
+
+
+def _finish(state: DecodeState, slots: jax.Array, token: jax.Array, generated: jax.Array, lengths: jax.Array):
+    """Done flags and reasons for newly sampled `token` of `slots` ([n] arrays)."""
+    hit_stop = jnp.any(state.stop_ids[slots] == token[:, None], axis=-1)
+    too_long = (generated >= state.max_tokens[slots]) | (lengths >= state.cache.max_len)
+    reason = jnp.where(hit_stop, api.FINISH_STOP, jnp.where(too_long, api.FINISH_LENGTH, api.FINISH_NONE))
+    return hit_stop | too_long, reason.astype(jnp.int32)
+
+
+def _pack(token, valid, done, reason) -> jax.Array:
+    """One [n, 4] int32 array per step: copying one array to the host beats four."""
+    return jnp.stack([token, valid.astype(jnp.int32), done.astype(jnp.int32), reason], axis=-1)
+
+
+def _prefill_step(
+    params: Params,
+    state: DecodeState,
+    tokens: jax.Array,  # [1, T] int32, padded
+    chunk: jax.Array,  # int32 [4]: slot, start, true_len, is_last
+    settings: SlotSampling,  # this request's settings, arrays of shape [1]
+    max_tokens: jax.Array,  # [1] int32
+    stop_ids: jax.Array,  # [1, MAX_STOP_IDS] int32
+    *,
+    config: ModelConfig,
+    attend_len: int,
+) -> tuple[DecodeState, jax.Array]:
+    slot, start, true_len, is_last = chunk[0], chunk[1], chunk[2], chunk[3].astype(bool)
+    t = tokens.shape[1]
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    in_prompt = offsets < true_len
+    max_len = state.cache.max_len
+    positions = jnp.where(in_prompt, start + offsets, max_len)[None]  # padding writes are dropped
+    slots = slot[None]
+    logits, cache = forward(
+        params, config, tokens, positions, state.cache, slots,
+        attend_len=attend_len, logits_index=(true_len - 1)[None],
+    )  # fmt: skip
+
+    # A request's penalty set starts empty at its first chunk and gathers every prompt token.
+    seen_row = jnp.where(start == 0, False, state.seen[slot])
+    seen_row = seen_row.at[jnp.where(in_prompt, tokens[0], config.vocab_size)].set(True, mode="drop")
+    token = sample(logits, seen_row[None], settings, jnp.zeros(1, jnp.int32))  # [1]
+    length = start + true_len
+    done, reason = _finish(
+        dataclasses.replace(state, stop_ids=stop_ids, max_tokens=max_tokens),
+        jnp.zeros(1, jnp.int32), token, jnp.ones(1, jnp.int32), length[None],
+    )  # fmt: skip
+    seen_row = jnp.where(is_last, seen_row.at[token[0]].set(True), seen_row)
+
+    def put(field, value):
+        return field.at[slot].set(value)
+
+    state = DecodeState(
+        cache=cache,
+        tokens=put(state.tokens, token[0]),
+        lengths=put(state.lengths, length),
+        active=put(state.active, is_last & ~done[0]),
+        generated=put(state.generated, 1),
+        max_tokens=put(state.max_tokens, max_tokens[0]),
+        stop_ids=put(state.stop_ids, stop_ids[0]),
+        sampling=jax.tree.map(lambda f, v: f.at[slot].set(v[0]), state.sampling, settings),
+        seen=put(state.seen, seen_row),
+    )
+    num_slots = state.tokens.shape[0]
+    row = jnp.stack([token[0], is_last.astype(jnp.int32), done[0].astype(jnp.int32), reason[0]])
+    out = jnp.zeros((num_slots, 4), jnp.int32).at[slot].set(row)
+    return state, out
+
+
+def _decode_step(
+    params: Params, state: DecodeState, *, config: ModelConfig, attend_len: int
+) -> tuple[DecodeState, jax.Array]:
+    num_slots = state.tokens.shape[0]
+    slots = jnp.arange(num_slots, dtype=jnp.int32)
+    positions = jnp.where(state.active, state.lengths, state.cache.max_len)[:, None]
+    logits, cache = forward(
+        params, config, state.tokens[:, None], positions, state.cache, slots,
+        attend_len=attend_len, all_slots=True, logits_index=jnp.zeros(num_slots, jnp.int32),
+    )  # fmt: skip
+    token = sample(logits, state.seen, state.sampling, state.generated)
+    generated = state.generated + 1
+    lengths = state.lengths + 1
+    done, reason = _finish(state, slots, token, generated, lengths)
+    done &= state.active
+    active = state.active
+    state = dataclasses.replace(
+        state,
+        cache=cache,
+        tokens=jnp.where(active, token, state.tokens),
+        lengths=jnp.where(active, lengths, state.lengths),
+        generated=jnp.where(active, generated, state.generated),
+        active=active & ~done,
+        seen=state.seen.at[slots, token].set(state.seen[slots, token] | active),
+    )
+    return state, _pack(token, active, done, reason)
+
+
+def _release_step(state: DecodeState, slot: jax.Array) -> DecodeState:
+    return dataclasses.replace(state, active=state.active.at[slot].set(False))
+
+
+def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
+    """smallest, 2*smallest, ... below largest, then largest itself."""
+    buckets, b = [], smallest
+    while b < largest:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, largest)
+
+
+class _Pending(api.PendingStep):
+    def __init__(self, packed: Sequence[jax.Array], on_result):
+        self._packed = list(packed)
+        for array in self._packed:
+            array.copy_to_host_async()
+        self._on_result = on_result
+        self._output: api.StepOutput | None = None
+
+    def result(self) -> api.StepOutput:
+        if self._output is None:
+            rows = np.zeros_like(np.asarray(self._packed[0])) if self._packed else np.zeros((0, 4), np.int32)
+            for array in self._packed:  # prefill: one array per chunk, each valid only in its slot's row
+                host = np.asarray(array)
+                rows = np.where(host[:, 1:2] == 1, host, rows)
+            self._output = api.StepOutput(
+                token=rows[:, 0], valid=rows[:, 1] == 1, done=rows[:, 2] == 1, reason=rows[:, 3]
+            )
+            self._on_result(self._output)
+        return self._output
+
+
+class JaxEngine(api.Engine):
+    """Continuous-batching engine over one model replica (possibly sharded over a mesh)."""
+
+    def __init__(
+        self,
+        params: Params,
+        config: ModelConfig,
+        cache_config: CacheConfig,
+        *,
+        mesh: Mesh | None = None,
+        max_prefill_chunk: int = 512,
+        min_prefill_bucket: int = 16,
+        min_attend_bucket: int = 64,
+    ):
+        self.config = config
+        self.cache_config = cache_config
+        self.mesh = mesh or make_mesh()
+        self.params = params
+        max_len = cache_config.max_len
+        self._prefill_buckets = power_of_two_buckets(
+            min(min_prefill_bucket, max_len), min(max_prefill_chunk, max_len)
+        )
+        self._attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_len), max_len)
+        self.state = self._init_state()
+        self._programs: dict[tuple, object] = {}
+        self.compile_count = 0
+        self._warm = False
+        # Host mirror of what the device will hold: an upper bound on each active slot's length.
+        self._host_len = np.zeros(cache_config.num_slots, np.int64)
+        self._host_active = np.zeros(cache_config.num_slots, bool)
+
+    # -- Engine properties -------------------------------------------------------------------------
+    @property
+    def num_slots(self) -> int:
+        return self.cache_config.num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache_config.max_len
+
+    @property
+    def max_prefill_chunk(self) -> int:
+        return self._prefill_buckets[-1]
+
+    # -- State and programs ------------------------------------------------------------------------
+    def _init_state(self) -> DecodeState:
+        c, s = self.config, self.cache_config.num_slots
+        slot_sharding = NamedSharding(self.mesh, slot_spec(s, self.mesh))
+        matrix_sharding = NamedSharding(self.mesh, P(*slot_spec(s, self.mesh), None))
+
+        def vec(value, dtype):
+            return jax.device_put(np.full((s,), value, dtype), slot_sharding)
+
+        def mat(value, dtype, width):
+            return jax.device_put(np.full((s, width), value, dtype), matrix_sharding)
+
+        return DecodeState(
+            cache=init_cache(c, self.cache_config, self.mesh),
+            tokens=vec(0, np.int32),
+            lengths=vec(0, np.int32),
+            active=vec(False, bool),
+            generated=vec(0, np.int32),
+            max_tokens=vec(1, np.int32),
+            stop_ids=mat(-1, np.int32, MAX_STOP_IDS),
+            sampling=SlotSampling(
+                temperature=vec(0, np.float32),
+                top_k=vec(0, np.int32),
+                top_p=vec(1, np.float32),
+                min_p=vec(0, np.float32),
+                repetition_penalty=vec(1, np.float32),
+                presence_penalty=vec(0, np.float32),
+                seed=mat(0, np.uint32, 2),
+            ),
+            seen=mat(False, bool, c.vocab_size),
+        )
+
+    def _state_shardings(self):
+        cache_sharding = NamedSharding(
+            self.mesh,
+            kv_cache_spec(self.cache_config.layout, self.config.num_kv_heads, self.num_slots, self.mesh),
+        )
+        shardings = jax.tree.map(lambda a: a.sharding, self.state)
+        shardings.cache = KVCache(k=cache_sharding, v=cache_sharding, layout=self.cache_config.layout)
+        return shardings
+
+    def _program(self, key: tuple, args: tuple):
+        program = self._programs.get(key)
+        if program is None:
+            if self._warm:
+                log.warning("compiling %s after warm-up: a bucket was missed", key)
+            start = time.perf_counter()
+            replicated = NamedSharding(self.mesh, P())
+            out_shardings = (self._state_shardings(), replicated)
+            kind = key[0]
+            if kind == "prefill":
+                fn = functools.partial(_prefill_step, config=self.config, attend_len=key[2])
+            elif kind == "decode":
+                fn = functools.partial(_decode_step, config=self.config, attend_len=key[1])
+            else:
+                fn, out_shardings = _release_step, out_shardings[0]
+            jitted = jax.jit(fn, donate_argnums=(1,) if kind != "release" else (0,), out_shardings=out_shardings)
+            program = jitted.lower(*args).compile()
+            self._programs[key] = program
+            self.compile_count += 1
+            log.debug("compiled %s in %.2fs", key, time.perf_counter() - start)
+        return program
+
+    def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
+        for b in buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+    # -- Engine API ---------------------------------------------------------------------------------
+    def prefill(self, chunks: Sequence[api.PrefillChunk]) -> api.PendingStep:
+        slots = [c.slot for c in chunks]
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"prefill chunks must name distinct slots, got {slots}")
+        packed = []
+        for chunk in chunks:
+            packed.append(self._prefill_one(chunk))
+        return _Pending(packed, self._on_result)
+
+    def _prefill_one(self, chunk: api.PrefillChunk) -> jax.Array:
+        n = len(chunk.token_ids)
+        if not 0 <= chunk.slot < self.num_slots:
+            raise ValueError(f"slot {chunk.slot} out of range [0, {self.num_slots})")
+        if n == 0 or n > self.max_prefill_chunk:
+            raise ValueError(f"a prefill chunk holds 1..{self.max_prefill_chunk} tokens, got {n}")
+        if chunk.start < 0 or chunk.start + n > self.max_seq_len:
+            raise ValueError(f"chunk [{chunk.start}, {chunk.start + n}) exceeds the context {self.max_seq_len}")
+        s = chunk.sampling
+        if len(s.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids (incl. eos), got {len(s.stop_token_ids)}")
+        t = self._bucket(self._prefill_buckets, n)
+        # Attend over every key the chunk can see, and never fewer positions than the chunk's bucket.
+        a = self._bucket(self._attend_buckets, min(max(chunk.start + n, t), self.max_seq_len))
+        tokens = np.zeros((1, t), np.int32)
+        tokens[0, :n] = chunk.token_ids
+        args = (
+            self.params,
+            self.state,
+            tokens,
+            np.array([chunk.slot, chunk.start, n, int(chunk.is_last)], np.int32),
+            _settings(s),
+            np.array([s.max_tokens], np.int32),
+            _stop_row(s.stop_token_ids),
+        )
+        program = self._program(("prefill", t, a), args)
+        self.state, packed = program(*args)
+        self._host_len[chunk.slot] = chunk.start + n
+        self._host_active[chunk.slot] = chunk.is_last
+        return packed
+
+    def decode(self) -> api.PendingStep:
+        longest = int(self._host_len[self._host_active].max(initial=0))
+        a = self._bucket(self._attend_buckets, min(longest + 1, self.max_seq_len))
+        args = (self.params, self.state)
+        self.state, packed = self._program(("decode", a), args)(*args)
+        self._host_len[self._host_active] += 1
+        return _Pending([packed], self._on_result)
+
+    def release(self, slot: int) -> None:
+        args = (self.state, np.int32(slot))
+        self.state = self._program(("release",), args)(*args)
+        self._host_active[slot] = False
+
+    def _on_result(self, out: api.StepOutput) -> None:
+        self._host_active[out.valid & out.done] = False
+
+    def warmup(self) -> float:
+        """Compiles prefill for every (chunk, attend) bucket pair a prompt can hit, decode for every attend
+        bucket, and release. Returns the seconds it took."""
+        start = time.perf_counter()
+        dummy = SamplingParams()
+        for t in self._prefill_buckets:
+            for a in self._attend_buckets:
+                if a < t:
+                    continue
+                # The programs are looked up by bucket, so lower with bucket-shaped dummies.
+                args = (
+                    self.params, self.state, np.zeros((1, t), np.int32), np.zeros(4, np.int32),
+                    _settings(dummy), np.ones(1, np.int32), _stop_row(()),
+                )  # fmt: skip
+                self._program(("prefill", t, a), args)
+        for a in self._attend_buckets:
+            self._program(("decode", a), (self.params, self.state))
+        self._program(("release",), (self.state, np.int32(0)))
+        self._warm = True
+        return time.perf_counter() - start
+
+
+def _settings(s: SamplingParams) -> SlotSampling:
+    return SlotSampling(
+        temperature=np.array([s.temperature], np.float32),
+        top_k=np.array([s.top_k], np.int32),
+        top_p=np.array([s.top_p], np.float32),
+        min_p=np.array([s.min_p], np.float32),
+        repetition_penalty=np.array([s.repetition_penalty], np.float32),
+        presence_penalty=np.array([s.presence_penalty], np.float32),
+        seed=np.array([split_seed(s.seed)], np.uint32),
+    )
+
+
+def _stop_row(stop_ids: Sequence[int]) -> np.ndarray:
+    row = np.full((1, MAX_STOP_IDS), -1, np.int32)
+    row[0, : len(stop_ids)] = stop_ids
+    return row

@@ -1,0 +1,198 @@
+"""The transformer forward pass for the Llama family and Gemma 3, as pure functions over a params pytree.
+
+One function serves prefill and decode: `forward` takes `tokens [batch, seq]` at absolute `positions`,
+writes their K/V into the preallocated cache for `slots`, and attends over the first `attend_len` cache
+positions (a static bucket, so decode reads only as much of the cache as the longest slot needs).
+
+Axis letters in einsums: b batch, t query position, s key position, k kv head, g query heads per kv head,
+h head, d head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.params import Params
+
+MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """x: [..., dim]; weight: [dim], the effective multiplier (Gemma's 1 + w already folded in)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def linear(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x: [..., in]; w: [out, in] -> [..., out]."""
+    return jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
+    """[head_dim // 2] inverse frequencies, with the configured scaling variant applied."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    if scaling.kind == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions: [batch, seq] -> cos, sin: [batch, seq, 1, head_dim] (half-split layout)."""
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [batch, seq, heads, head_dim], rotated in half-split (rotate_half) form."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def attention_xla(
+    q: jax.Array,  # [b, t, h, d]
+    k: jax.Array,  # [b, k, s, d]
+    v: jax.Array,  # [b, k, s, d]
+    q_positions: jax.Array,  # [b, t]
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> jax.Array:
+    """Masked GQA attention in plain XLA; key j is visible to a query at position p iff
+    j <= p (and j > p - sliding_window). Returns [b, t, h, d]."""
+    b, t, h, d = q.shape
+    num_kv = k.shape[1]
+    qg = q.reshape(b, t, num_kv, h // num_kv, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
+    visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [b, t, s]
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > q_positions[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def _activation(config: ModelConfig, x: jax.Array) -> jax.Array:
+    if config.activation == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def _layer(
+    config: ModelConfig,
+    index: int,
+    p: dict[str, jax.Array],
+    x: jax.Array,  # [b, t, hidden]
+    positions: jax.Array,  # [b, t], clamped into the cache
+    write_positions: jax.Array,  # [b, t], >= max_len where the write must be dropped
+    rope: tuple[jax.Array, jax.Array],
+    cache: KVCache,
+    slots: jax.Array,
+    read_slots: jax.Array | None,
+    attend_len: int,
+) -> tuple[jax.Array, KVCache]:
+    c = config
+    b, t, _ = x.shape
+    sliding = c.layer_types[index] == "sliding_attention"
+
+    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    q = linear(h, p["q_proj"]).reshape(b, t, c.num_heads, c.head_dim)
+    k = linear(h, p["k_proj"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = linear(h, p["v_proj"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    cache = cache.write(index, slots, write_positions, k, v)
+    keys, values = cache.read(index, read_slots, attend_len)  # [b, kv_heads, attend_len, d]
+    attn = attention_xla(
+        q,
+        keys.astype(q.dtype),
+        values.astype(q.dtype),
+        positions,
+        scale=c.attn_scale,
+        sliding_window=c.sliding_window if sliding else None,
+        softcap=c.attn_logit_softcap,
+    )
+    attn = linear(attn.reshape(b, t, c.num_heads * c.head_dim), p["o_proj"])
+    if c.sandwich_norms:
+        attn = rms_norm(attn, p["post_attn_norm"], c.rms_norm_eps)
+    x = x + attn
+
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    h = _activation(c, linear(h, p["gate_proj"])) * linear(h, p["up_proj"])
+    h = linear(h, p["down_proj"])
+    if c.sandwich_norms:
+        h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps)
+    return x + h, cache
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,  # [b, t] int32
+    positions: jax.Array,  # [b, t] int32, absolute positions; >= max_len means "do not write"
+    cache: KVCache,
+    slots: jax.Array,  # [b] int32, the cache slot of each row
+    *,
+    attend_len: int,
+    all_slots: bool = False,
+    logits_index: jax.Array | None = None,  # [b] int32: compute logits only at tokens[:, index]
+) -> tuple[jax.Array, KVCache]:
+    """Runs the model over new tokens and returns (logits, cache).
+
+    logits: [b, t, vocab] float32, or [b, vocab] when `logits_index` is given.
+    `all_slots` says that `slots` is arange(num_slots) (decode), so cache reads are static slices.
+    """
+    c = config
+    x = jnp.take(params["embed"], tokens, axis=0)
+    if c.embed_scale != 1.0:
+        # Gemma rounds the scale to the activation dtype before multiplying.
+        x = x * jnp.asarray(c.embed_scale, dtype=x.dtype)
+    # Positions past the cache end (inactive slots) only mark writes to drop; clamp them for RoPE and masks.
+    rope_pos = jnp.minimum(positions, cache.max_len - 1)
+    global_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    local_rope = global_rope
+    if "sliding_attention" in c.layer_types:
+        local_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_local_theta, RopeScaling()))
+    read_slots = None if all_slots else slots
+
+    for i, layer_params in enumerate(params["layers"]):
+        rope = local_rope if c.layer_types[i] == "sliding_attention" else global_rope
+        x, cache = _layer(
+            c, i, layer_params, x, rope_pos, positions, rope, cache, slots, read_slots, attend_len
+        )
+    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    if logits_index is not None:
+        x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [b, hidden]
+    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
+    logits = linear(x, head).astype(jnp.float32)
+    if c.final_logit_softcap is not None:
+        logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
+    return logits, cache

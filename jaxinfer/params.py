@@ -1,0 +1,107 @@
+"""The weights pytree: plain nested dicts of arrays, one layout for both model families.
+
+    params = {
+      "embed":      [vocab, hidden]
+      "final_norm": [hidden]
+      "lm_head":    [vocab, hidden]          # absent when config.tie_word_embeddings
+      "layers": [                            # a list, one dict per layer
+        {
+          "attn_norm":      [hidden]
+          "q_proj":         [num_heads * head_dim, hidden]
+          "k_proj":         [num_kv_heads * head_dim, hidden]
+          "v_proj":         [num_kv_heads * head_dim, hidden]
+          "o_proj":         [hidden, num_heads * head_dim]
+          "q_norm":         [head_dim]        # qk_norm only (Gemma 3)
+          "k_norm":         [head_dim]        # qk_norm only
+          "post_attn_norm": [hidden]          # sandwich_norms only (Gemma 3)
+          "mlp_norm":       [hidden]
+          "post_mlp_norm":  [hidden]          # sandwich_norms only
+          "gate_proj":      [intermediate, hidden]
+          "up_proj":        [intermediate, hidden]
+          "down_proj":      [hidden, intermediate]
+        }, ...
+      ]
+    }
+
+Conventions every loader follows:
+  * Linear weights are [out_features, in_features] (as Hugging Face and GGUF store them); the model
+    computes `x @ w.T`.
+  * Q/K rows use the half-split RoPE layout (Hugging Face's `rotate_half`); GGUF Llama files store
+    adjacent-pair rows and the GGUF loader un-permutes them.
+  * Norm weights are the effective multiplier: Gemma's `(1 + w)` is folded in at load time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every leaf of one layer's dict."""
+    c = config
+    shapes = {
+        "attn_norm": (c.hidden_size,),
+        "q_proj": (c.num_heads * c.head_dim, c.hidden_size),
+        "k_proj": (c.num_kv_heads * c.head_dim, c.hidden_size),
+        "v_proj": (c.num_kv_heads * c.head_dim, c.hidden_size),
+        "o_proj": (c.hidden_size, c.num_heads * c.head_dim),
+        "mlp_norm": (c.hidden_size,),
+        "gate_proj": (c.intermediate_size, c.hidden_size),
+        "up_proj": (c.intermediate_size, c.hidden_size),
+        "down_proj": (c.hidden_size, c.intermediate_size),
+    }
+    if c.qk_norm:
+        shapes |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
+    if c.sandwich_norms:
+        shapes |= {"post_attn_norm": (c.hidden_size,), "post_mlp_norm": (c.hidden_size,)}
+    return shapes
+
+
+def top_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every leaf outside the layers."""
+    shapes = {"embed": (config.vocab_size, config.hidden_size), "final_norm": (config.hidden_size,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.vocab_size, config.hidden_size)
+    return shapes
+
+
+def random_params(config: ModelConfig, seed: int = 0, dtype: str = "float32") -> Params:
+    """Random weights with the layout above (for tests and benchmarks of model-shaped programs)."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(name: str, shape: tuple[int, ...]) -> jax.Array:
+        if name.endswith("norm"):
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) * (shape[-1] ** -0.5)
+        return jnp.asarray(value, dtype=dtype)
+
+    params: Params = {name: leaf(name, shape) for name, shape in top_shapes(config).items()}
+    params["layers"] = [
+        {name: leaf(name, shape) for name, shape in layer_shapes(config).items()}
+        for _ in range(config.num_layers)
+    ]
+    return params
+
+
+def check_params(config: ModelConfig, params: Params) -> None:
+    """Raises ValueError when a leaf is missing, extra or of the wrong shape."""
+    expected = top_shapes(config)
+    got = {k: tuple(v.shape) for k, v in params.items() if k != "layers"}
+    if got != expected:
+        raise ValueError(f"top-level params {got} do not match the config's {expected}")
+    if len(params["layers"]) != config.num_layers:
+        raise ValueError(f"{len(params['layers'])=} but {config.num_layers=}")
+    expected = layer_shapes(config)
+    for i, layer in enumerate(params["layers"]):
+        got = {k: tuple(v.shape) for k, v in layer.items()}
+        if got != expected:
+            raise ValueError(f"layer {i} params {got} do not match the config's {expected}")

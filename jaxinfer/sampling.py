@@ -1,0 +1,98 @@
+"""Token sampling on device, per slot: penalties, greedy, temperature, top-k, top-p, min-p, seeded.
+
+Every slot carries its own settings as arrays, so one compiled step serves any mix of requests.
+Randomness: token i of a request uses key fold_in(fold_in(fold_in(key(0), seed_hi), seed_lo), i), so a
+seeded request gives the same tokens whatever else is batched with it.
+
+Filters are exact for top_k <= CANDIDATES. The top-p nucleus is searched among the CANDIDATES most likely
+tokens: when those hold less than top_p of the mass the nucleus stops there (a vocabulary tail past the
+CANDIDATES-th token is never that likely in practice, and a full-vocabulary sort per step costs more
+than the rest of the step on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+CANDIDATES = 256
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SlotSampling:
+    """Sampling settings of every slot; all arrays are [slots]."""
+
+    temperature: jax.Array  # float32, 0 = greedy
+    top_k: jax.Array  # int32, 0 = off
+    top_p: jax.Array  # float32, 1 = off
+    min_p: jax.Array  # float32, 0 = off
+    repetition_penalty: jax.Array  # float32, 1 = off
+    presence_penalty: jax.Array  # float32, 0 = off
+    seed: jax.Array  # uint32 [slots, 2]: (high, low) words of the 64-bit seed
+
+
+def apply_penalties(logits: jax.Array, seen: jax.Array, s: SlotSampling) -> jax.Array:
+    """logits: [slots, vocab] float32; seen: [slots, vocab] bool, tokens in the prompt or output so far."""
+    rp = s.repetition_penalty[:, None]
+    penalised = jnp.where(logits > 0, logits / rp, logits * rp)
+    logits = jnp.where(seen, penalised, logits)
+    return logits - jnp.where(seen, s.presence_penalty[:, None], 0.0)
+
+
+def _slot_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    key = jax.random.fold_in(jax.random.key(0), seed[0])
+    key = jax.random.fold_in(key, seed[1])
+    return jax.random.fold_in(key, step)
+
+
+def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> jax.Array:
+    """Temperature, then top-k / top-p / min-p thresholds, then Gumbel-max over the vocabulary."""
+    temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
+    scaled = logits / temp  # [slots, vocab]
+    top_vals, _ = jax.lax.top_k(scaled, min(CANDIDATES, scaled.shape[-1]))  # [slots, c], descending
+    num_cand = top_vals.shape[-1]
+
+    k = jnp.clip(s.top_k, 1, num_cand)
+    kth = jnp.take_along_axis(top_vals, (k - 1)[:, None], axis=-1)[:, 0]
+    thr_k = jnp.where(s.top_k > 0, kth, -jnp.inf)
+
+    log_z = jax.nn.logsumexp(scaled, axis=-1, keepdims=True)
+    cand_probs = jnp.exp(top_vals - log_z)
+    mass_before = jnp.cumsum(cand_probs, axis=-1) - cand_probs
+    in_nucleus = mass_before < s.top_p[:, None]  # the first candidate is always in
+    last_in = jnp.sum(in_nucleus, axis=-1) - 1
+    nucleus_min = jnp.take_along_axis(top_vals, last_in[:, None], axis=-1)[:, 0]
+    thr_p = jnp.where(s.top_p < 1.0, nucleus_min, -jnp.inf)
+
+    thr_m = jnp.where(s.min_p > 0, top_vals[:, 0] + jnp.log(jnp.maximum(s.min_p, 1e-30)), -jnp.inf)
+
+    threshold = jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m)[:, None]
+    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = jax.vmap(_slot_key)(s.seed, steps)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(keys)
+    return jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+
+
+def sample(logits: jax.Array, seen: jax.Array, s: SlotSampling, steps: jax.Array) -> jax.Array:
+    """Picks one token per slot.
+
+    logits: [slots, vocab] float32; seen: [slots, vocab] bool; steps: [slots] int32, the index of the token
+    being sampled within its request (for the per-request random stream). Returns [slots] int32.
+    """
+    logits = apply_penalties(logits, seen, s)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    # When every slot is greedy (the common serving case) skip the sort and the noise entirely.
+    sampled = jax.lax.cond(
+        jnp.any(s.temperature > 0),
+        lambda: _filtered_sample(logits, s, steps),
+        lambda: greedy,
+    )
+    return jnp.where(s.temperature > 0, sampled, greedy)
+
+
+def split_seed(seed: int) -> tuple[int, int]:
+    """A 64-bit seed as (high, low) uint32 words."""
+    return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF

@@ -1,0 +1,202 @@
+"""The `jaxinfer` command: generate, models, convert (and the serving front ends).
+
+User errors (unknown model, missing or corrupt file, bad sampling values, prompt too long) print one
+line on stderr and exit with status 2; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Sequence
+
+from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """A problem with what the user asked for, reported as one line."""
+
+
+def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, .gguf file, HF or orbax folder")
+    p.add_argument("--dtype", default=None, help="weights/activations dtype (default: float32 on CPU, else bf16)")
+    p.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype (default: the weights' dtype)")
+    p.add_argument("--kv-cache-layout", default="bhsd", choices=["bhsd", "bshd"])
+    p.add_argument("--max-len", type=int, default=None, help="positions per slot (default: min(context, 2048))")
+    p.add_argument("--slots", type=int, default=slots, help="decode slots sharing the KV cache")
+    p.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prefill bucket")
+    p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
+    p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--top-k", type=int, default=40, help="0 disables")
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def _runtime_options(args: argparse.Namespace):
+    from jaxinfer.runtime import RuntimeOptions
+    from jaxinfer.sharding import parse_mesh
+
+    kwargs = {}
+    if args.compilation_cache is not None:
+        kwargs["compilation_cache_dir"] = args.compilation_cache or None
+    return RuntimeOptions(
+        model=args.model,
+        dtype=args.dtype,
+        cache_dtype=args.kv_cache_dtype,
+        cache_layout=args.kv_cache_layout,
+        num_slots=args.slots,
+        max_len=args.max_len,
+        max_prefill_chunk=args.max_prefill_chunk,
+        mesh=parse_mesh(args.mesh) if args.mesh else None,
+        **kwargs,
+    )
+
+
+def _sampling(args: argparse.Namespace):
+    from jaxinfer.request import SamplingParams
+
+    s = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    s.validate()
+    return s
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxinfer.generate import generate
+    from jaxinfer.runtime import build_runtime
+
+    sampling = _sampling(args)
+    if args.slots is None:
+        args.slots = max(1, len(args.prompt))
+    runtime = build_runtime(_runtime_options(args))
+    tok = runtime.tokenizer
+    prompts = []
+    for text in args.prompt:
+        if not text:
+            raise UserError("the prompt is empty")
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": text}
+            ]
+            prompts.append(tok.encode_chat(messages))
+        else:
+            prompts.append(tok.encode(text))
+    stream = args.output == "text" and len(prompts) == 1
+
+    def on_text(index: int, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    start = time.perf_counter()
+    results = generate(
+        runtime.engine, tok, prompts, [sampling] * len(prompts), on_text=on_text if stream else None
+    )
+    wall = time.perf_counter() - start
+    for text, r in zip(args.prompt, results):
+        if args.output == "json":
+            print(json.dumps({"prompt": text, **r.to_json()}, ensure_ascii=False))
+        elif stream:
+            print()
+        else:
+            print(f"=== {text}\n{r.text}\n")
+    if args.output == "text":
+        r = results[0]
+        print(
+            f"[{runtime.config.arch}: {len(r.prompt_token_ids)} prompt tokens, {len(r.token_ids)} generated "
+            f"({r.finish_reason}); TTFT {r.ttft_s * 1e3:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s decode; "
+            f"load {runtime.load_seconds:.1f}s, wall {wall:.1f}s]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    for name, m in EMBEDDED_MODELS.items():
+        default = " (default)" if name == DEFAULT_MODEL else ""
+        print(f"{name}{default}\t{m.description}\tpackage: {m.package}")
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jaxinfer.loading import load_model, save_checkpoint
+    from jaxinfer.runtime import load_tokenizer
+
+    loaded = load_model(args.model, dtype=args.dtype or "float32")
+    out = os.path.abspath(args.output)
+    save_checkpoint(out, loaded.config, loaded.params, extra={"source": str(loaded.path), "kind": loaded.kind})
+    load_tokenizer(loaded).save(os.path.join(out, "tokenizer"))
+    print(f"wrote {loaded.config.arch} checkpoint ({loaded.config.num_layers} layers) to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for prompts")
+    _add_runtime_args(g, slots=None)
+    _add_sampling_args(g)
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--output", choices=["text", "json"], default="text")
+    g.add_argument("prompt", nargs="+")
+    g.set_defaults(func=cmd_generate)
+
+    m = sub.add_parser("models", help="list the embedded models")
+    m.set_defaults(func=cmd_models)
+
+    c = sub.add_parser("convert", help="write a model as an orbax checkpoint folder")
+    c.add_argument("--model", default=DEFAULT_MODEL)
+    c.add_argument("--dtype", default=None)
+    c.add_argument("output")
+    c.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from jaxinfer.loading import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (UserError, ValueError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
+        print(f"jaxinfer: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

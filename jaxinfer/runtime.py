@@ -1,0 +1,118 @@
+"""Assembles a ready engine from user-level options: model, tokenizer, mesh, cache, compilation cache.
+
+Shared by every front end (`generate`, `serve`, `batch`, benchmarks) so each option means the same thing
+everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import jax
+
+from jaxinfer.config import CacheConfig, ModelConfig
+from jaxinfer.jax_engine import JaxEngine
+from jaxinfer.loading import LoadedModel, load_model
+from jaxinfer.registry import DEFAULT_MODEL
+from jaxinfer.sharding import make_mesh, param_placement
+from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_COMPILATION_CACHE = Path(os.environ.get("JAXINFER_CACHE_DIR", Path.home() / ".cache" / "jaxinfer")) / "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeOptions:
+    model: str = DEFAULT_MODEL
+    # None picks per backend: float32 on CPU (bf16 matmuls at one row are ~10x slower on XLA:CPU), bf16 elsewhere.
+    dtype: str | None = None
+    cache_dtype: str | None = None
+    cache_layout: str = "bhsd"
+    num_slots: int = 8
+    # None: the model's context, capped at 2048 positions per slot.
+    max_len: int | None = None
+    max_prefill_chunk: int = 512
+    mesh: dict[str, int] | None = None
+    compilation_cache_dir: str | None = str(DEFAULT_COMPILATION_CACHE)
+
+
+@dataclasses.dataclass
+class Runtime:
+    engine: JaxEngine
+    tokenizer: Tokenizer
+    model: LoadedModel
+    options: RuntimeOptions
+    load_seconds: float
+
+    @property
+    def config(self) -> ModelConfig:
+        return self.model.config
+
+    def model_info(self) -> dict:
+        c, cache = self.config, self.engine.cache_config
+        return {
+            "model_name": c.name or str(self.options.model),
+            "architecture": c.arch,
+            "context_length": cache.max_len,
+            "vocab_size": c.vocab_size,
+            "slots": cache.num_slots,
+            "mesh": ",".join(f"{k}={v}" for k, v in self.engine.mesh.shape.items()),
+            "dtype": default_dtype(self.options.dtype),
+            "quantization": "none",
+        }
+
+
+def default_dtype(dtype: str | None) -> str:
+    if dtype is not None:
+        return dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def enable_compilation_cache(directory: str | None) -> None:
+    """JAX's persistent compilation cache: the second start of the same programs skips XLA compilation."""
+    if not directory:
+        return
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
+    if loaded.kind == "gguf":
+        return Tokenizer.from_gguf(loaded.path)
+    if loaded.kind == "orbax":
+        return Tokenizer.from_hf(loaded.path / "tokenizer")
+    return Tokenizer.from_hf(loaded.path)
+
+
+def build_runtime(options: RuntimeOptions) -> Runtime:
+    """Loads weights straight into their shardings and builds the engine (programs compile lazily or in
+    `engine.warmup()`)."""
+    enable_compilation_cache(options.compilation_cache_dir)
+    start = time.perf_counter()
+    mesh = make_mesh(options.mesh)
+    dtype = default_dtype(options.dtype)
+    loaded = load_model(options.model, dtype=dtype, placement=param_placement(mesh))
+    tokenizer = load_tokenizer(loaded)
+    context = loaded.config.max_position_embeddings
+    max_len = options.max_len or min(context, 2048)
+    if max_len > context:
+        raise ValueError(f"max_len {max_len} exceeds the model's context length {context}")
+    cache_config = CacheConfig(
+        num_slots=options.num_slots,
+        max_len=max_len,
+        dtype=options.cache_dtype or dtype,
+        layout=options.cache_layout,
+    )
+    engine = JaxEngine(
+        loaded.params, loaded.config, cache_config, mesh=mesh, max_prefill_chunk=options.max_prefill_chunk
+    )
+    seconds = time.perf_counter() - start
+    log.info("loaded %s (%s) in %.1fs", options.model, loaded.config.arch, seconds)
+    return Runtime(engine, tokenizer, loaded, options, seconds)

@@ -1,0 +1,319 @@
+"""Stand-ins for tests of the serving layer: a hand-computable `MockEngine` and a tiny `FakeTokenizer`.
+
+MockEngine is arithmetic, so every expected token can be worked out by hand. With `vocab_size=10`,
+a prompt [4, 7] and `seed=2`:
+  prefill  -> first token  (7 + 1 + 2) % 10 = 0
+  decode   -> (0 + 1 + 2) % 10 = 3, then 6, then 9, ...
+A token in `sampling.stop_token_ids` ends the request with FINISH_STOP (the token is returned), the
+`max_tokens`-th token ends it with FINISH_LENGTH, and so does reaching `max_seq_len` tokens in the slot.
+`MockEngine.reference_tokens` is the same rule as a plain loop, for tests to compare against.
+
+The engine checks the contract it is driven with (chunk positions continue where the slot left off,
+distinct slots per prefill, chunk sizes) and raises on misuse, so scheduler bugs surface in tests.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from jaxinfer.engine import (
+    FINISH_LENGTH,
+    FINISH_NONE,
+    FINISH_STOP,
+    Engine,
+    PendingStep,
+    PrefillChunk,
+    StepOutput,
+)
+from jaxinfer.request import SamplingParams
+
+# --------------------------------------------------------------------------------------------------
+# MockEngine
+# --------------------------------------------------------------------------------------------------
+
+
+def next_mock_token(last_token: int, sampling: SamplingParams, vocab_size: int) -> int:
+    """The MockEngine's whole "model": the seed shifts the sequence so per-slot state mix-ups show."""
+    return (last_token + 1 + sampling.seed) % vocab_size
+
+
+@dataclasses.dataclass
+class _MockSlot:
+    num_tokens: int = 0  # prompt tokens written plus tokens sampled
+    active: bool = False
+    last_token: int = 0
+    num_generated: int = 0
+    sampling: SamplingParams | None = None
+
+
+class _MockPending(PendingStep):
+    def __init__(self, output: StepOutput, ready_at: float, engine: MockEngine, is_decode: bool):
+        self._output = output
+        self._ready_at = ready_at
+        self._engine = engine
+        self._is_decode = is_decode
+        self._read = False
+
+    def result(self) -> StepOutput:
+        delay = self._ready_at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        if not self._read:
+            self._read = True
+            with self._engine._lock:
+                self._engine._num_unread_decodes -= self._is_decode
+        return self._output
+
+
+class MockEngine(Engine):
+    """An arithmetic Engine (see the module docstring) with an optional per-step device time.
+
+    step_delay_s: each prefill or decode "runs" this long after the previous one ends, like a device
+        queue; `result()` sleeps until then, dispatch returns at once.
+    fail_at_decode: raise RuntimeError on this decode dispatch (1-based), to test fail-fast paths.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_slots: int = 4,
+        max_seq_len: int = 64,
+        max_prefill_chunk: int = 8,
+        vocab_size: int = 32,
+        step_delay_s: float = 0.0,
+        fail_at_decode: int | None = None,
+    ):
+        if num_slots <= 0 or max_seq_len <= 0 or max_prefill_chunk <= 0 or vocab_size <= 1:
+            raise ValueError(f"{num_slots=}, {max_seq_len=}, {max_prefill_chunk=}, {vocab_size=} must be > 0")
+        self._num_slots = num_slots
+        self._max_seq_len = max_seq_len
+        self._max_prefill_chunk = max_prefill_chunk
+        self.vocab_size = vocab_size
+        self.step_delay_s = step_delay_s
+        self.fail_at_decode = fail_at_decode
+        self._slots = [_MockSlot() for _ in range(num_slots)]
+        self._lock = threading.Lock()
+        self._device_free_at = 0.0
+        self._num_unread_decodes = 0
+        # Counters and logs for tests.
+        self.num_decode_steps = 0
+        self.num_prefill_calls = 0
+        self.num_prefill_tokens = 0
+        self.max_unread_decodes = 0  # >1: a decode was dispatched before the previous one was read
+        self.release_log: list[tuple[int, int]] = []  # (slot, num_decode_steps at release)
+        self.prefill_log: list[tuple[tuple[int, int, int, bool], ...]] = []  # (slot, start, len, last)
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._max_seq_len
+
+    @property
+    def max_prefill_chunk(self) -> int:
+        return self._max_prefill_chunk
+
+    def num_active_slots(self) -> int:
+        return sum(s.active for s in self._slots)
+
+    def _empty_output(self) -> StepOutput:
+        n = self._num_slots
+        return StepOutput(
+            token=np.zeros(n, np.int32),
+            valid=np.zeros(n, bool),
+            done=np.zeros(n, bool),
+            reason=np.zeros(n, np.int32),
+        )
+
+    def _dispatch(self, output: StepOutput, *, is_decode: bool) -> _MockPending:
+        with self._lock:
+            now = time.monotonic()
+            self._device_free_at = max(now, self._device_free_at) + self.step_delay_s
+            self._num_unread_decodes += is_decode
+            self.max_unread_decodes = max(self.max_unread_decodes, self._num_unread_decodes)
+            return _MockPending(output, self._device_free_at, self, is_decode)
+
+    def _sample_into(self, out: StepOutput, slot: int) -> None:
+        s = self._slots[slot]
+        if s.sampling is None:
+            raise RuntimeError(f"slot {slot} samples before any prompt was written")
+        token = next_mock_token(s.last_token, s.sampling, self.vocab_size)
+        s.last_token = token
+        s.num_generated += 1
+        s.num_tokens += 1
+        reason = FINISH_NONE
+        if token in s.sampling.stop_token_ids:
+            reason = FINISH_STOP
+        elif s.num_generated >= s.sampling.max_tokens or s.num_tokens >= self._max_seq_len:
+            reason = FINISH_LENGTH
+        out.token[slot], out.valid[slot] = token, True
+        if reason != FINISH_NONE:
+            out.done[slot], out.reason[slot] = True, reason
+            s.active = False
+
+    def prefill(self, chunks: Sequence[PrefillChunk]) -> PendingStep:
+        slots = [c.slot for c in chunks]
+        if not chunks or len(set(slots)) != len(slots):
+            raise ValueError(f"prefill needs chunks on distinct slots, got {slots=}")
+        out = self._empty_output()
+        self.num_prefill_calls += 1
+        self.prefill_log.append(tuple((c.slot, c.start, len(c.token_ids), c.is_last) for c in chunks))
+        for c in chunks:
+            if not 0 <= c.slot < self._num_slots:
+                raise ValueError(f"{c.slot=} out of range")
+            n = len(c.token_ids)
+            if not 0 < n <= self._max_prefill_chunk:
+                raise ValueError(f"chunk of {n} tokens, {self._max_prefill_chunk=}")
+            s = self._slots[c.slot]
+            if c.start == 0:  # a new prompt overwrites whatever the slot held
+                self._slots[c.slot] = s = _MockSlot()
+            if c.start != s.num_tokens or s.active:
+                raise ValueError(f"chunk at {c.start=} but slot {c.slot} holds {s.num_tokens} ({s.active=})")
+            if c.start + n > self._max_seq_len:
+                raise ValueError(f"chunk ends at {c.start + n} > {self._max_seq_len=}")
+            s.num_tokens += n
+            self.num_prefill_tokens += n
+            if c.is_last:
+                if list(c.prompt_token_ids[-n:]) != list(c.token_ids):
+                    raise ValueError("prompt_token_ids must end with the last chunk's tokens")
+                s.sampling, s.last_token, s.active = c.sampling, int(c.token_ids[-1]), True
+                self._sample_into(out, c.slot)
+        return self._dispatch(out, is_decode=False)
+
+    def decode(self) -> PendingStep:
+        self.num_decode_steps += 1
+        if self.fail_at_decode is not None and self.num_decode_steps >= self.fail_at_decode:
+            raise RuntimeError(f"MockEngine: injected failure at decode step {self.num_decode_steps}")
+        out = self._empty_output()
+        for slot, s in enumerate(self._slots):
+            if s.active:
+                self._sample_into(out, slot)
+        return self._dispatch(out, is_decode=True)
+
+    def release(self, slot: int) -> None:
+        if not 0 <= slot < self._num_slots:
+            raise ValueError(f"{slot=} out of range")
+        self._slots[slot].active = False
+        self.release_log.append((slot, self.num_decode_steps))
+
+    def reference_tokens(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
+        """The tokens this engine produces for one request, computed by a plain loop."""
+        tokens: list[int] = []
+        last, length = int(prompt_token_ids[-1]), len(prompt_token_ids)
+        while True:
+            last = next_mock_token(last, sampling, self.vocab_size)
+            tokens.append(last)
+            length += 1
+            if last in sampling.stop_token_ids:
+                return tokens
+            if len(tokens) >= sampling.max_tokens or length >= self._max_seq_len:
+                return tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# FakeTokenizer
+# --------------------------------------------------------------------------------------------------
+
+_SPECIALS = ("<pad>", "<bos>", "<eos>", "<end_of_turn>")
+# Byte pieces after the specials: printable ASCII and newline, a few words, and two characters whose
+# UTF-8 bytes are split across two tokens each ("é" = c3|a9, "😀" = f09f|9880), so a detokenizer
+# must hold back half a character.
+_PIECES: tuple[bytes, ...] = (
+    tuple(bytes([c]) for c in range(32, 127))
+    + (b"\n", b"hello", b" world", b"the ")
+    + (b"\xc3", b"\xa9", b"\xf0\x9f", b"\x98\x80")
+)
+
+
+class FakeDetokenizer:
+    """Incremental UTF-8-safe detokenizer over FakeTokenizer pieces (the IncrementalDetokenizer API)."""
+
+    def __init__(self, tokenizer: FakeTokenizer):
+        self._tokenizer = tokenizer
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        piece = self._tokenizer.piece_bytes(token_id, skip_special=True)
+        new = self._decoder.decode(piece, final=False)
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        new = self._decoder.decode(b"", final=True)
+        self.text += new
+        return new
+
+
+class FakeTokenizer:
+    """A byte-piece tokenizer over a ~110-token vocabulary implementing the jaxinfer Tokenizer interface.
+
+    Ids 0-3 are specials (<pad>, <bos>, <eos>, <end_of_turn>); eos_ids = (2, 3). encode() is greedy
+    longest match over UTF-8 bytes and raises ValueError for characters outside the vocabulary.
+    The chat template renders "role: content\\n" per message and "assistant: " as generation prompt.
+    """
+
+    def __init__(self, *, add_bos: bool = True, has_chat_template: bool = True):
+        self._pieces: tuple[bytes, ...] = tuple(s.encode() for s in _SPECIALS) + _PIECES
+        self.vocab_size = len(self._pieces)
+        self.num_special = len(_SPECIALS)
+        self.bos_id: int | None = 1
+        self.eos_ids: tuple[int, ...] = (2, 3)
+        self.add_bos = add_bos
+        self.has_chat_template = has_chat_template
+        self._piece_to_id = {p: i for i, p in enumerate(self._pieces) if i >= self.num_special}
+        self._max_piece = max(len(p) for p in self._piece_to_id)
+
+    def piece_bytes(self, token_id: int, *, skip_special: bool) -> bytes:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"{token_id=} outside [0, {self.vocab_size})")
+        if token_id < self.num_special and skip_special:
+            return b""
+        return self._pieces[token_id]
+
+    def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
+        data, ids, i = text.encode(), [], 0
+        while i < len(data):
+            for n in range(min(self._max_piece, len(data) - i), 0, -1):
+                token = self._piece_to_id.get(data[i : i + n])
+                if token is not None:
+                    ids.append(token)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"FakeTokenizer cannot encode byte {data[i]:#x} of {text!r}")
+        if self.add_bos if add_bos is None else add_bos:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
+        data = b"".join(self.piece_bytes(int(t), skip_special=skip_special) for t in ids)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> str:
+        if not self.has_chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant: " if add_generation_prompt else "")
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_bos=self.add_bos)
+
+    def detokenizer(self) -> FakeDetokenizer:
+        return FakeDetokenizer(self)
+
+    def save(self, directory) -> None:
+        raise NotImplementedError("FakeTokenizer is not saved")

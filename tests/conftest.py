@@ -1,0 +1,95 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints written by transformers, and the real models."""
+
+from __future__ import annotations
+
+import os
+
+# Tests run on the CPU; a simulated 8-device host lets sharding tests build meshes.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import pytest  # noqa: E402
+
+TINY_DIMS = dict(
+    vocab_size=211,
+    hidden_size=64,
+    intermediate_size=96,
+    num_attention_heads=4,
+    max_position_embeddings=256,
+)
+
+
+def _write_tiny(kind: str, directory) -> object:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "gemma3":
+        config = transformers.Gemma3TextConfig(
+            **TINY_DIMS,
+            num_hidden_layers=7,  # sliding x5, global, sliding: both layer types and their own RoPE bases
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+        )
+        model = transformers.Gemma3ForCausalLM(config)
+    else:
+        rope = None
+        if kind == "llama3_scaled":
+            rope = dict(
+                rope_type="llama3",
+                rope_theta=500000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            )
+        config = transformers.LlamaConfig(
+            **TINY_DIMS,
+            num_hidden_layers=3,
+            num_key_value_heads=2,
+            head_dim=16,
+            tie_word_embeddings=False,
+            **({"rope_parameters": rope} if rope else {}),
+        )
+        model = transformers.LlamaForCausalLM(config)
+    # Random init leaves norms at exactly 1 (or 0 for Gemma): perturb them so the norm convention is tested.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """kind -> (checkpoint folder, torch reference model), written once per session on first use."""
+    made: dict[str, tuple] = {}
+
+    def get(kind: str):
+        if kind not in made:
+            directory = tmp_path_factory.mktemp(f"tiny-{kind}")
+            made[kind] = (directory, _write_tiny(kind, directory))
+        return made[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def real_runtime():
+    """name -> jaxinfer Runtime on an embedded GGUF model (loaded once per session)."""
+    from jaxinfer.runtime import RuntimeOptions, build_runtime
+
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            made[name] = build_runtime(
+                RuntimeOptions(model=name, num_slots=2, max_len=1024, compilation_cache_dir=None)
+            )
+        return made[name]
+
+    return get

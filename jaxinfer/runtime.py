@@ -16,8 +16,9 @@ import jax
 
 from jaxinfer.config import CacheConfig, ModelConfig
 from jaxinfer.jax_engine import JaxEngine
-from jaxinfer.loading import LoadedModel, load_model
-from jaxinfer.registry import DEFAULT_MODEL
+from jaxinfer.loading import LoadedModel, load_gguf, load_model
+from jaxinfer.loading.gguf_loader import open_gguf
+from jaxinfer.registry import DEFAULT_MODEL, resolve_model
 from jaxinfer.sharding import make_mesh, param_placement
 from jaxinfer.tokenizer import Tokenizer
 
@@ -83,9 +84,9 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
+def load_tokenizer(loaded: LoadedModel, gguf_reader=None) -> Tokenizer:
     if loaded.kind == "gguf":
-        return Tokenizer.from_gguf(loaded.path)
+        return Tokenizer.from_gguf(loaded.path, reader=gguf_reader)
     if loaded.kind == "orbax":
         return Tokenizer.from_hf(loaded.path / "tokenizer")
     return Tokenizer.from_hf(loaded.path)
@@ -98,8 +99,16 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     start = time.perf_counter()
     mesh = make_mesh(options.mesh)
     dtype = default_dtype(options.dtype)
-    loaded = load_model(options.model, dtype=dtype, placement=param_placement(mesh))
-    tokenizer = load_tokenizer(loaded)
+    placement = param_placement(mesh)
+    kind, path = resolve_model(options.model)
+    if kind == "gguf":
+        # Parsing a large vocabulary's GGUF metadata takes seconds: parse it once for weights and tokenizer.
+        reader = open_gguf(path)
+        loaded = load_gguf(reader, dtype=dtype, placement=placement)
+        tokenizer = load_tokenizer(loaded, reader)
+    else:
+        loaded = load_model(path, dtype=dtype, placement=placement)
+        tokenizer = load_tokenizer(loaded)
     context = loaded.config.max_position_embeddings
     max_len = options.max_len or min(context, 2048)
     if max_len > context:

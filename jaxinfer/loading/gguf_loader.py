@@ -1,0 +1,235 @@
+"""GGUF files (llama.cpp's format): the config from the metadata, the weights dequantised tensor by tensor.
+
+Supported architectures: "llama" (SmolLM2, Llama, Mistral as llama.cpp writes them) and "gemma3".
+Every type the `gguf` package can dequantise is accepted (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, K-quants).
+
+Two conversions turn llama.cpp's conventions into ours (jaxinfer/params.py):
+  * Llama Q/K rows are stored permuted for adjacent-pair RoPE; we un-permute them to the half-split
+    layout (Q with num_heads, K with num_kv_heads). Gemma 3 files are written unpermuted.
+  * Gemma 3 norm weights are stored with the +1 already folded in, which is our convention too.
+
+Gemma 3 facts the metadata leaves out and we fill in: every sixth layer is global (layer i is full
+attention iff (i + 1) % 6 == 0) and the local layers' RoPE base is 10000.
+
+Reading the header of a file with a large vocabulary is slow (GGUFReader parses every token string;
+~10 s for Gemma 3's 262k tokens here), so both entry points accept an open `gguf.GGUFReader` to share.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.loading.common import (
+    KeyPath,
+    LoadedModel,
+    ModelLoadError,
+    ParamsBuilder,
+    Placement,
+    aligned_empty,
+)
+
+SUPPORTED_ARCHS = ("llama", "gemma3")
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+
+_TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q_proj",
+    "attn_k.weight": "k_proj",
+    "attn_v.weight": "v_proj",
+    "attn_output.weight": "o_proj",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "post_attention_norm.weight": "post_attn_norm",
+    "ffn_norm.weight": "mlp_norm",
+    "post_ffw_norm.weight": "post_mlp_norm",
+    "ffn_gate.weight": "gate_proj",
+    "ffn_up.weight": "up_proj",
+    "ffn_down.weight": "down_proj",
+}
+_MISSING = object()
+_DEQUANT_CHUNK_ELEMENTS = 1 << 22  # 16 MB of float32 per dequantise call
+
+
+def open_gguf(path_or_reader: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
+    """A GGUFReader for a path (or the reader itself); unreadable files raise ModelLoadError."""
+    if isinstance(path_or_reader, gguf.GGUFReader):
+        return path_or_reader
+    if not isinstance(path_or_reader, (str, Path)):
+        raise ValueError(f"{type(path_or_reader)=} must be a path or a gguf.GGUFReader")
+    path = Path(path_or_reader).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"GGUF file {path} does not exist")
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # the reader fails in many ways on bad bytes (struct, numpy, enum, unicode)
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {_first_line(e)}") from e
+
+
+def config_from_gguf(path_or_reader: str | Path | gguf.GGUFReader) -> ModelConfig:
+    """The ModelConfig a GGUF file's metadata (and tensor list) describes."""
+    reader = open_gguf(path_or_reader)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError("GGUF file has no token_embd.weight tensor")
+    if "rope_freqs.weight" in tensors:
+        raise ModelLoadError("GGUF rope_freqs.weight (Llama 3 RoPE scaling as a tensor) is not supported")
+
+    def meta(key: str, default: Any = _MISSING) -> Any:
+        return _field(reader, f"{arch}.{key}", default)
+
+    hidden = int(meta("embedding_length"))
+    num_heads = int(meta("attention.head_count"))
+    num_kv_heads = int(meta("attention.head_count_kv", num_heads))
+    head_dim = int(meta("attention.key_length", hidden // num_heads))
+    if int(meta("attention.value_length", head_dim)) != head_dim:
+        raise ModelLoadError(f"GGUF value_length differs from key_length {head_dim}; not supported")
+    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+        raise ModelLoadError(f"GGUF partial RoPE (rope.dimension_count != {head_dim=}) is not supported")
+    num_layers = int(meta("block_count"))
+    # GGML dims are innermost-first: token_embd is (hidden, vocab).
+    vocab_size = int(tensors["token_embd.weight"].shape[-1])
+    common = dict(
+        arch=arch,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=int(meta("context_length")),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
+        rope_scaling=_rope_scaling(meta),
+        tie_word_embeddings="output.weight" not in tensors,
+        name=str(_field(reader, "general.name", "")),
+    )
+    try:
+        if arch == "llama":
+            return ModelConfig(**common, rope_theta=float(meta("rope.freq_base", 10000.0)), activation="silu")
+        softcap = meta("attn_logit_softcapping", None)
+        final_softcap = meta("final_logit_softcapping", None)
+        return ModelConfig(
+            **common,
+            rope_theta=float(meta("rope.freq_base", 1_000_000.0)),
+            rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
+            sliding_window=int(meta("attention.sliding_window")),
+            layer_types=tuple(
+                "full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                for i in range(num_layers)
+            ),
+            activation="gelu_tanh",
+            # Hugging Face's query_pre_attn_scalar equals head_dim for the Gemma 3 sizes GGUF carries.
+            query_pre_attn_scalar=float(head_dim),
+            qk_norm=True,
+            sandwich_norms=True,
+            embed_scale=math.sqrt(hidden),
+            attn_logit_softcap=None if softcap is None else float(softcap),
+            final_logit_softcap=None if final_softcap is None else float(final_softcap),
+        )
+    except ValueError as e:
+        raise ModelLoadError(f"GGUF metadata gives an invalid config: {_first_line(e)}") from e
+
+
+def load_gguf(
+    path: str | Path | gguf.GGUFReader,
+    *,
+    dtype: str = "float32",
+    placement: Placement | None = None,
+) -> LoadedModel:
+    """Reads config and weights from a GGUF file, dequantising and placing one tensor at a time."""
+    reader = open_gguf(path)
+    config = config_from_gguf(reader)
+    builder = ParamsBuilder(config, dtype=dtype, placement=placement)
+    for tensor in reader.tensors:
+        key_path = _key_path(tensor.name)
+        if key_path is None:
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no place in the {config.arch} params")
+        builder.put(key_path, _host_tensor(tensor, key_path, config), source=tensor.name, owned=True)
+    return LoadedModel(config=config, params=builder.finish(), kind="gguf", path=Path(reader.data.filename))
+
+
+def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Adjacent-pair RoPE rows (GGUF) -> half-split rows (Hugging Face), per head.
+
+    w: [num_heads * head_dim, in]. GGUF row 2j + p of a head holds half-split row p * head_dim/2 + j.
+    """
+    rows, cols = w.shape
+    if rows % (2 * num_heads):
+        raise ValueError(f"{w.shape=} rows must split into {num_heads=} heads of even size")
+    half = rows // num_heads // 2
+    return w.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _host_tensor(tensor: Any, key_path: KeyPath, config: ModelConfig) -> np.ndarray:
+    """One tensor dequantised to a fresh float32 array in our layout ([out, in] for linears).
+
+    Rows are dequantised in chunks into one preallocated array: dequantising a whole embedding at once
+    needs about twice its float32 size in temporaries.
+    """
+    row_len = int(tensor.shape[0])  # GGML's innermost dimension
+    rows = tensor.data.reshape(-1, tensor.data.shape[-1])  # [rows, row bytes (or row_len for float types)]
+    value = aligned_empty((rows.shape[0], row_len), np.float32)
+    chunk = max(1, _DEQUANT_CHUNK_ELEMENTS // row_len)
+    try:
+        for start in range(0, rows.shape[0], chunk):
+            value[start : start + chunk] = gguf.quants.dequantize(
+                rows[start : start + chunk], tensor.tensor_type
+            )
+    except (NotImplementedError, ValueError) as e:
+        raise ModelLoadError(
+            f"GGUF tensor {tensor.name!r} of type {tensor.tensor_type.name} cannot be dequantised: "
+            f"{_first_line(e)}"
+        ) from e
+    value = value.reshape(tuple(reversed(tensor.shape.tolist())))
+    if config.arch == "llama" and key_path[-1] == "q_proj":
+        value = unpermute_rope_rows(value, config.num_heads)
+    elif config.arch == "llama" and key_path[-1] == "k_proj":
+        value = unpermute_rope_rows(value, config.num_kv_heads)
+    return value
+
+
+def _key_path(name: str) -> KeyPath | None:
+    if name in _TOP_TENSORS:
+        return (_TOP_TENSORS[name],)
+    prefix, _, rest = name.partition(".")
+    index, _, suffix = rest.partition(".")
+    if prefix == "blk" and index.isdigit() and suffix in _LAYER_TENSORS:
+        return ("layers", int(index), _LAYER_TENSORS[suffix])
+    return None
+
+
+def _rope_scaling(meta) -> RopeScaling:
+    kind = meta("rope.scaling.type", "none")
+    if kind == "none":
+        return RopeScaling()
+    if kind == "linear":
+        return RopeScaling(kind="linear", factor=float(meta("rope.scaling.factor")))
+    raise ModelLoadError(f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear)")
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is _MISSING:
+            raise ModelLoadError(f"GGUF metadata lacks {key!r}")
+        return default
+    try:
+        return field.contents()
+    except Exception as e:
+        raise ModelLoadError(f"GGUF metadata {key!r} is unreadable: {_first_line(e)}") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
 
@@ -24,14 +24,22 @@ class UserError(Exception):
 
 
 def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="embedded model name, .gguf file, HF or orbax folder")
-    p.add_argument("--dtype", default=None, help="weights/activations dtype (default: float32 on CPU, else bf16)")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="embedded model name, .gguf file, HF or orbax folder"
+    )
+    p.add_argument(
+        "--dtype", default=None, help="weights/activations dtype (default: float32 on CPU, else bf16)"
+    )
     p.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype (default: the weights' dtype)")
     p.add_argument("--kv-cache-layout", default="bhsd", choices=["bhsd", "bshd"])
-    p.add_argument("--max-len", type=int, default=None, help="positions per slot (default: min(context, 2048))")
+    p.add_argument(
+        "--max-len", type=int, default=None, help="positions per slot (default: min(context, 2048))"
+    )
     p.add_argument("--slots", type=int, default=slots, help="decode slots sharing the KV cache")
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prefill bucket")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="weight quantisation")
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
 
 
@@ -64,6 +72,8 @@ def _runtime_options(args: argparse.Namespace):
         max_len=args.max_len,
         max_prefill_chunk=args.max_prefill_chunk,
         mesh=parse_mesh(args.mesh) if args.mesh else None,
+        quantize=args.quantize,
+        attention_impl=args.attention_impl,
         **kwargs,
     )
 
@@ -149,10 +159,65 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     loaded = load_model(args.model, dtype=args.dtype or "float32")
     out = os.path.abspath(args.output)
-    save_checkpoint(out, loaded.config, loaded.params, extra={"source": str(loaded.path), "kind": loaded.kind})
+    save_checkpoint(
+        out, loaded.config, loaded.params, extra={"source": str(loaded.path), "kind": loaded.kind}
+    )
     load_tokenizer(loaded).save(os.path.join(out, "tokenizer"))
     print(f"wrote {loaded.config.arch} checkpoint ({loaded.config.num_layers} layers) to {out}")
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.orchestrator import Orchestrator
+    from jaxinfer.runtime import build_runtime
+    from jaxinfer.service import serve_forever
+
+    log = logging.getLogger("jaxinfer.serve")
+    runtime = build_runtime(_runtime_options(args))
+    seconds = runtime.engine.warmup()
+    log.warning(
+        "warm-up compiled %d programs in %.1fs (load %.1fs); nothing compiles while serving",
+        runtime.engine.compile_count, seconds, runtime.load_seconds,
+    )  # fmt: skip
+    orchestrator = Orchestrator(runtime.engine, runtime.tokenizer, max_queue=args.max_queue)
+    info = runtime.model_info() | {"mesh": dict(runtime.engine.mesh.shape)}
+    return serve_forever(
+        orchestrator, runtime.tokenizer, info,
+        host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace,
+    )  # fmt: skip
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    from jaxinfer.client import client_main
+
+    return client_main(args.client_args)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from jaxinfer.batch import run_batch
+    from jaxinfer.runtime import build_runtime
+
+    defaults = _sampling(args)
+    if not os.path.exists(args.input):
+        raise UserError(f"no such input file: {args.input}")
+    runtime = build_runtime(_runtime_options(args))
+    if not args.no_warmup:
+        runtime.engine.warmup()  # compile every bucket now, so the progress bar's rate and ETA hold
+    summary = run_batch(
+        runtime.engine, runtime.tokenizer, args.input, args.output,
+        defaults=defaults, strict=args.strict, max_queue=args.max_queue, progress=not args.no_progress,
+    )  # fmt: skip
+    print(summary.format(), file=sys.stderr)
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary.to_json(), f, indent=2)
+    return 1 if summary.num_failed else 0
+
+
+def cmd_bench_serving(args: argparse.Namespace) -> int:
+    from jaxinfer.bench_serving import main_from_args
+
+    return main_from_args(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,6 +236,37 @@ def build_parser() -> argparse.ArgumentParser:
 
     m = sub.add_parser("models", help="list the embedded models")
     m.set_defaults(func=cmd_models)
+
+    sv = sub.add_parser("serve", help="serve the model over gRPC with continuous batching")
+    _add_runtime_args(sv, slots=8)
+    sv.add_argument("--host", default="0.0.0.0")
+    sv.add_argument("--port", type=int, default=50051)
+    sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
+    sv.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
+    sv.add_argument("--grace", type=float, default=10.0, help="seconds to finish streams on SIGTERM")
+    sv.set_defaults(func=cmd_serve)
+
+    cl = sub.add_parser("client", help="stream a completion from a server", add_help=False)
+    cl.add_argument("client_args", nargs=argparse.REMAINDER)
+    cl.set_defaults(func=cmd_client)
+
+    bt = sub.add_parser("batch", help="offline generation from a JSONL file into a JSONL file (resumable)")
+    _add_runtime_args(bt, slots=8)
+    _add_sampling_args(bt)
+    bt.add_argument("input", help="JSONL: one {id, prompt | messages, [max_tokens, sampling...]} per line")
+    bt.add_argument("output", help="JSONL results; ids already in it are skipped (resume)")
+    bt.add_argument("--strict", action="store_true", help="a bad input line stops the run (exit 2)")
+    bt.add_argument("--max-queue", type=int, default=64, help="requests submitted ahead of the slots")
+    bt.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bt.add_argument("--no-warmup", action="store_true", help="compile lazily instead of before the run")
+    bt.add_argument("--summary-json", default=None, help="also write the summary to this JSON file")
+    bt.set_defaults(func=cmd_batch)
+
+    from jaxinfer.bench_serving import add_bench_serving_args
+
+    bs = sub.add_parser("bench-serving", help="load-test a running server; latency and throughput report")
+    add_bench_serving_args(bs)
+    bs.set_defaults(func=cmd_bench_serving)
 
     c = sub.add_parser("convert", help="write a model as an orbax checkpoint folder")
     c.add_argument("--model", default=DEFAULT_MODEL)

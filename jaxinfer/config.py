@@ -91,12 +91,46 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation runs attention and int8 matmuls (static: a change recompiles).
+
+    attention: "xla" (plain JAX, the reference path) or "pallas" (pallas_kernels: flash attention for
+        prefill, decode attention over the whole cache; needs the "bhsd" layout and a float cache).
+    matmul: "xla" or "pallas" (the int8 weight kernel) for int8 weights; float weights always use XLA.
+    int8_activations: for int8 weights at more than one row, quantise activations per row to int8 and
+        run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there).
+    interpret: run Pallas kernels in interpret mode (CPU).
+    """
+
+    attention: Literal["xla", "pallas"] = "xla"
+    matmul: Literal["xla", "pallas"] = "xla"
+    int8_activations: bool = False
+    interpret: bool = False
+
+    @classmethod
+    def for_backend(cls, backend: str, attention: str = "auto") -> KernelConfig:
+        """`auto` picks the fastest correct path: Pallas kernels on TPU/GPU, XLA on CPU."""
+        if attention not in ("auto", "xla", "pallas"):
+            raise ValueError(f"attention implementation must be auto, xla or pallas, got {attention!r}")
+        accelerated = backend in ("tpu", "gpu", "cuda", "rocm")
+        if attention == "auto":
+            attention = "pallas" if accelerated else "xla"
+        return cls(
+            attention=attention,
+            matmul="pallas" if accelerated else "xla",
+            int8_activations=backend == "cpu",
+            interpret=not accelerated,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class CacheConfig:
     """The preallocated KV cache: every layer, every slot, `max_len` positions.
 
     layout:
       "bhsd" - k/v are [layers, slots, kv_heads, max_len, head_dim] (decode reads contiguous rows per head).
       "bshd" - k/v are [layers, slots, max_len, kv_heads, head_dim] (one write per token is contiguous).
+    dtype "int8" stores K/V as int8 with one float32 scale per (token, head).
     """
 
     num_slots: int

@@ -15,21 +15,22 @@ import dataclasses
 import functools
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer import engine as api
-from jaxinfer.config import CacheConfig, ModelConfig
+from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.model import forward
 from jaxinfer.params import Params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sampling import SlotSampling, sample, split_seed
-from jaxinfer.sharding import kv_cache_spec, make_mesh, slot_spec
+from jaxinfer.sharding import make_mesh, shard_params, slot_spec
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def _prefill_step(
     *,
     config: ModelConfig,
     attend_len: int,
+    kernels: KernelConfig,
 ) -> tuple[DecodeState, jax.Array]:
     slot, start, true_len, is_last = chunk[0], chunk[1], chunk[2], chunk[3].astype(bool)
     t = tokens.shape[1]
@@ -86,7 +88,7 @@ def _prefill_step(
     slots = slot[None]
     logits, cache = forward(
         params, config, tokens, positions, state.cache, slots,
-        attend_len=attend_len, logits_index=(true_len - 1)[None],
+        attend_len=attend_len, logits_index=(true_len - 1)[None], kernels=kernels,
     )  # fmt: skip
 
     # A request's penalty set starts empty at its first chunk and gathers every prompt token.
@@ -121,14 +123,14 @@ def _prefill_step(
 
 
 def _decode_step(
-    params: Params, state: DecodeState, *, config: ModelConfig, attend_len: int
+    params: Params, state: DecodeState, *, config: ModelConfig, attend_len: int, kernels: KernelConfig
 ) -> tuple[DecodeState, jax.Array]:
     num_slots = state.tokens.shape[0]
     slots = jnp.arange(num_slots, dtype=jnp.int32)
     positions = jnp.where(state.active, state.lengths, state.cache.max_len)[:, None]
     logits, cache = forward(
         params, config, state.tokens[:, None], positions, state.cache, slots,
-        attend_len=attend_len, all_slots=True, logits_index=jnp.zeros(num_slots, jnp.int32),
+        attend_len=attend_len, all_slots=True, logits_index=jnp.zeros(num_slots, jnp.int32), kernels=kernels,
     )  # fmt: skip
     token = sample(logits, state.seen, state.sampling, state.generated)
     generated = state.generated + 1
@@ -195,11 +197,18 @@ class JaxEngine(api.Engine):
         max_prefill_chunk: int = 512,
         min_prefill_bucket: int = 16,
         min_attend_bucket: int = 64,
+        kernels: KernelConfig | None = None,
     ):
+        self.kernels = kernels or KernelConfig.for_backend(jax.default_backend(), "xla")
+        if self.kernels.attention == "pallas" and (
+            cache_config.layout != "bhsd" or cache_config.dtype == "int8"
+        ):
+            raise ValueError("the Pallas attention kernels need a float KV cache in the 'bhsd' layout")
         self.config = config
         self.cache_config = cache_config
         self.mesh = mesh or make_mesh()
-        self.params = params
+        # Weights on their PARAM_RULES shardings (a no-op when loaded with sharding.param_placement).
+        self.params = shard_params(params, self.mesh)
         max_len = cache_config.max_len
         self._prefill_buckets = power_of_two_buckets(
             min(min_prefill_bucket, max_len), min(max_prefill_chunk, max_len)
@@ -259,13 +268,8 @@ class JaxEngine(api.Engine):
         )
 
     def _state_shardings(self):
-        cache_sharding = NamedSharding(
-            self.mesh,
-            kv_cache_spec(self.cache_config.layout, self.config.num_kv_heads, self.num_slots, self.mesh),
-        )
-        shardings = jax.tree.map(lambda a: a.sharding, self.state)
-        shardings.cache = KVCache(k=cache_sharding, v=cache_sharding, layout=self.cache_config.layout)
-        return shardings
+        """The state is created on its declared shardings (kv_cache_spec, slot_spec); keep them fixed."""
+        return jax.tree.map(lambda a: a.sharding, self.state)
 
     def _program(self, key: tuple, args: tuple):
         program = self._programs.get(key)
@@ -277,12 +281,18 @@ class JaxEngine(api.Engine):
             out_shardings = (self._state_shardings(), replicated)
             kind = key[0]
             if kind == "prefill":
-                fn = functools.partial(_prefill_step, config=self.config, attend_len=key[2])
+                fn = functools.partial(
+                    _prefill_step, config=self.config, attend_len=key[2], kernels=self.kernels
+                )
             elif kind == "decode":
-                fn = functools.partial(_decode_step, config=self.config, attend_len=key[1])
+                fn = functools.partial(
+                    _decode_step, config=self.config, attend_len=key[1], kernels=self.kernels
+                )
             else:
                 fn, out_shardings = _release_step, out_shardings[0]
-            jitted = jax.jit(fn, donate_argnums=(1,) if kind != "release" else (0,), out_shardings=out_shardings)
+            jitted = jax.jit(
+                fn, donate_argnums=(1,) if kind != "release" else (0,), out_shardings=out_shardings
+            )
             program = jitted.lower(*args).compile()
             self._programs[key] = program
             self.compile_count += 1
@@ -312,10 +322,14 @@ class JaxEngine(api.Engine):
         if n == 0 or n > self.max_prefill_chunk:
             raise ValueError(f"a prefill chunk holds 1..{self.max_prefill_chunk} tokens, got {n}")
         if chunk.start < 0 or chunk.start + n > self.max_seq_len:
-            raise ValueError(f"chunk [{chunk.start}, {chunk.start + n}) exceeds the context {self.max_seq_len}")
+            raise ValueError(
+                f"chunk [{chunk.start}, {chunk.start + n}) exceeds the context {self.max_seq_len}"
+            )
         s = chunk.sampling
         if len(s.stop_token_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids (incl. eos), got {len(s.stop_token_ids)}")
+            raise ValueError(
+                f"at most {MAX_STOP_IDS} stop token ids (incl. eos), got {len(s.stop_token_ids)}"
+            )
         t = self._bucket(self._prefill_buckets, n)
         # Attend over every key the chunk can see, and never fewer positions than the chunk's bucket.
         a = self._bucket(self._attend_buckets, min(max(chunk.start + n, t), self.max_seq_len))

@@ -17,16 +17,23 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import CacheConfig, ModelConfig
 from jaxinfer.sharding import kv_cache_spec
+from pallas_kernels import quantize_kv_int8
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
+    """K and V of every layer and slot; with an int8 cache, also one float32 scale per (token, head):
+    k_scale, v_scale are [layers, slots, kv_heads, max_len] ("bhsd") or [layers, slots, max_len, kv_heads]."""
+
     k: jax.Array
     v: jax.Array
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
     layout: str = dataclasses.field(metadata=dict(static=True), default="bhsd")
 
     @property
@@ -37,32 +44,51 @@ class KVCache:
     def num_slots(self) -> int:
         return self.k.shape[1]
 
-    def write(self, layer: int, slots: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def write(
+        self, layer: int, slots: jax.Array, positions: jax.Array, k: jax.Array, v: jax.Array
+    ) -> KVCache:
         """Writes new entries of one layer.
 
         slots: [batch] int32; positions: [batch, seq] int32; k, v: [batch, seq, kv_heads, head_dim].
         """
         slot_idx = slots[:, None]  # [batch, 1], broadcasts against positions
-        if self.layout == "bhsd":
-            # Advanced indices separated by a slice put their broadcast dims first: [batch, seq, kv_heads, dim].
-            new_k = self.k.at[layer, slot_idx, :, positions].set(k.astype(self.k.dtype), mode="drop")
-            new_v = self.v.at[layer, slot_idx, :, positions].set(v.astype(self.v.dtype), mode="drop")
-        else:
-            new_k = self.k.at[layer, slot_idx, positions].set(k.astype(self.k.dtype), mode="drop")
-            new_v = self.v.at[layer, slot_idx, positions].set(v.astype(self.v.dtype), mode="drop")
-        return dataclasses.replace(self, k=new_k, v=new_v)
+
+        def put(cache: jax.Array, values: jax.Array) -> jax.Array:
+            values = values.astype(cache.dtype)
+            if self.layout == "bhsd":
+                # Advanced indices split by a slice put their broadcast dims first: [batch, seq, heads, ...].
+                return cache.at[layer, slot_idx, :, positions].set(values, mode="drop")
+            return cache.at[layer, slot_idx, positions].set(values, mode="drop")
+
+        if not self.quantized:
+            return dataclasses.replace(self, k=put(self.k, k), v=put(self.v, v))
+        (k_q, k_s), (v_q, v_s) = quantize_kv_int8(k), quantize_kv_int8(v)
+        return dataclasses.replace(
+            self, k=put(self.k, k_q), v=put(self.v, v_q), k_scale=put(self.k_scale, k_s),
+            v_scale=put(self.v_scale, v_s),
+        )  # fmt: skip
 
     def read(self, layer: int, slots: jax.Array | None, length: int) -> tuple[jax.Array, jax.Array]:
-        """The first `length` positions of one layer as [batch, kv_heads, length, head_dim].
+        """The first `length` positions of one layer as [batch, kv_heads, length, head_dim] (dequantised).
 
         slots=None reads every slot with a static slice (the decode case); otherwise gathers those slots.
         """
-        k, v = self.k[layer], self.v[layer]
-        if slots is not None:
-            k, v = k[slots], v[slots]
-        if self.layout == "bhsd":
-            return k[:, :, :length], v[:, :, :length]
-        return k[:, :length].swapaxes(1, 2), v[:, :length].swapaxes(1, 2)
+
+        def get(cache: jax.Array) -> jax.Array:
+            rows = cache[layer] if slots is None else cache[layer][slots]
+            if self.layout == "bhsd":
+                return rows[:, :, :length]
+            return rows[:, :length].swapaxes(1, 2)
+
+        if not self.quantized:
+            return get(self.k), get(self.v)
+        k = get(self.k).astype(jnp.float32) * get(self.k_scale)[..., None]
+        v = get(self.v).astype(jnp.float32) * get(self.v_scale)[..., None]
+        return k, v
 
 
 def cache_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
@@ -73,14 +99,29 @@ def cache_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
 
 def init_cache(model: ModelConfig, cache: CacheConfig, mesh: Mesh) -> KVCache:
     """A zeroed cache placed on the mesh (slots over `data`, KV heads over `tensor`)."""
-    sharding = NamedSharding(mesh, kv_cache_spec(cache.layout, model.num_kv_heads, cache.num_slots, mesh))
+    spec = kv_cache_spec(cache.layout, model.num_kv_heads, cache.num_slots, mesh)
     shape = cache_shape(model, cache)
-    zeros = jax.jit(lambda: jnp.zeros(shape, cache.dtype), out_shardings=sharding)
-    return KVCache(k=zeros(), v=zeros(), layout=cache.layout)
+
+    def zeros(shape, dtype, spec):
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=NamedSharding(mesh, spec))()
+
+    if cache.dtype != "int8":
+        k, v = zeros(shape, cache.dtype, spec), zeros(shape, cache.dtype, spec)
+        return KVCache(k=k, v=v, layout=cache.layout)
+    # Scales drop the head_dim axis of the values.
+    scale_shape, scale_spec = shape[:-1], P(*spec[:-1])
+    return KVCache(
+        k=zeros(shape, jnp.int8, spec),
+        v=zeros(shape, jnp.int8, spec),
+        k_scale=zeros(scale_shape, jnp.float32, scale_spec),
+        v_scale=zeros(scale_shape, jnp.float32, scale_spec),
+        layout=cache.layout,
+    )
 
 
 def cache_bytes(model: ModelConfig, cache: CacheConfig) -> int:
     n = 1
     for d in cache_shape(model, cache):
         n *= d
-    return 2 * n * jnp.dtype(cache.dtype).itemsize
+    scales = 2 * (n // model.head_dim) * 4 if cache.dtype == "int8" else 0
+    return 2 * n * jnp.dtype(cache.dtype).itemsize + scales

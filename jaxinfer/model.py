@@ -15,11 +15,18 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import KernelConfig, ModelConfig, RopeScaling
+from jaxinfer.kernel_dispatch import (
+    attention_xla,
+    decode_attention_pallas,
+    embed,
+    linear,
+    prefill_attention_pallas,
+)
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.params import Params
 
-MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
+XLA_KERNELS = KernelConfig()  # the plain-JAX reference path
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -27,11 +34,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return (normed * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def linear(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x: [..., in]; w: [out, in] -> [..., out]."""
-    return jax.lax.dot_general(x, w.astype(x.dtype), (((x.ndim - 1,), (1,)), ((), ())))
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> jax.Array:
@@ -68,34 +70,6 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def attention_xla(
-    q: jax.Array,  # [b, t, h, d]
-    k: jax.Array,  # [b, k, s, d]
-    v: jax.Array,  # [b, k, s, d]
-    q_positions: jax.Array,  # [b, t]
-    *,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-) -> jax.Array:
-    """Masked GQA attention in plain XLA; key j is visible to a query at position p iff
-    j <= p (and j > p - sliding_window). Returns [b, t, h, d]."""
-    b, t, h, d = q.shape
-    num_kv = k.shape[1]
-    qg = q.reshape(b, t, num_kv, h // num_kv, d)
-    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
-    visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [b, t, s]
-    if sliding_window is not None:
-        visible &= key_pos[None, None, :] > q_positions[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
-
-
 def _activation(config: ModelConfig, x: jax.Array) -> jax.Array:
     if config.activation == "gelu_tanh":
         return jax.nn.gelu(x, approximate=True)
@@ -114,15 +88,16 @@ def _layer(
     slots: jax.Array,
     read_slots: jax.Array | None,
     attend_len: int,
+    kernels: KernelConfig,
 ) -> tuple[jax.Array, KVCache]:
     c = config
     b, t, _ = x.shape
     sliding = c.layer_types[index] == "sliding_attention"
 
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-    q = linear(h, p["q_proj"]).reshape(b, t, c.num_heads, c.head_dim)
-    k = linear(h, p["k_proj"]).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = linear(h, p["v_proj"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+    q = linear(h, p["q_proj"], kernels).reshape(b, t, c.num_heads, c.head_dim)
+    k = linear(h, p["k_proj"], kernels).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = linear(h, p["v_proj"], kernels).reshape(b, t, c.num_kv_heads, c.head_dim)
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
@@ -130,24 +105,34 @@ def _layer(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     cache = cache.write(index, slots, write_positions, k, v)
-    keys, values = cache.read(index, read_slots, attend_len)  # [b, kv_heads, attend_len, d]
-    attn = attention_xla(
-        q,
-        keys.astype(q.dtype),
-        values.astype(q.dtype),
-        positions,
-        scale=c.attn_scale,
-        sliding_window=c.sliding_window if sliding else None,
-        softcap=c.attn_logit_softcap,
-    )
-    attn = linear(attn.reshape(b, t, c.num_heads * c.head_dim), p["o_proj"])
+    window = c.sliding_window if sliding else None
+    if kernels.attention == "pallas" and read_slots is None and t == 1:
+        lengths = jnp.where(write_positions[:, 0] < cache.max_len, positions[:, 0] + 1, 0)
+        attn = decode_attention_pallas(
+            q, cache.k, cache.v, lengths, layer=index, attend_len=attend_len, scale=c.attn_scale,
+            sliding_window=window, softcap=c.attn_logit_softcap, interpret=kernels.interpret,
+        )  # fmt: skip
+    else:
+        keys, values = cache.read(index, read_slots, attend_len)  # [b, kv_heads, attend_len, d]
+        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
+        if kernels.attention == "pallas":
+            attn = prefill_attention_pallas(
+                q, keys, values, positions[:, 0], scale=c.attn_scale, sliding_window=window,
+                softcap=c.attn_logit_softcap, interpret=kernels.interpret,
+            )  # fmt: skip
+        else:
+            attn = attention_xla(
+                q, keys, values, positions, scale=c.attn_scale, sliding_window=window,
+                softcap=c.attn_logit_softcap,
+            )  # fmt: skip
+    attn = linear(attn.reshape(b, t, c.num_heads * c.head_dim), p["o_proj"], kernels)
     if c.sandwich_norms:
         attn = rms_norm(attn, p["post_attn_norm"], c.rms_norm_eps)
     x = x + attn
 
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-    h = _activation(c, linear(h, p["gate_proj"])) * linear(h, p["up_proj"])
-    h = linear(h, p["down_proj"])
+    h = _activation(c, linear(h, p["gate_proj"], kernels)) * linear(h, p["up_proj"], kernels)
+    h = linear(h, p["down_proj"], kernels)
     if c.sandwich_norms:
         h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps)
     return x + h, cache
@@ -164,6 +149,7 @@ def forward(
     attend_len: int,
     all_slots: bool = False,
     logits_index: jax.Array | None = None,  # [b] int32: compute logits only at tokens[:, index]
+    kernels: KernelConfig = XLA_KERNELS,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the model over new tokens and returns (logits, cache).
 
@@ -171,7 +157,8 @@ def forward(
     `all_slots` says that `slots` is arange(num_slots) (decode), so cache reads are static slices.
     """
     c = config
-    x = jnp.take(params["embed"], tokens, axis=0)
+    dtype = params["final_norm"].dtype
+    x = embed(params["embed"], tokens, dtype)
     if c.embed_scale != 1.0:
         # Gemma rounds the scale to the activation dtype before multiplying.
         x = x * jnp.asarray(c.embed_scale, dtype=x.dtype)
@@ -186,13 +173,13 @@ def forward(
     for i, layer_params in enumerate(params["layers"]):
         rope = local_rope if c.layer_types[i] == "sliding_attention" else global_rope
         x, cache = _layer(
-            c, i, layer_params, x, rope_pos, positions, rope, cache, slots, read_slots, attend_len
+            c, i, layer_params, x, rope_pos, positions, rope, cache, slots, read_slots, attend_len, kernels
         )
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [b, hidden]
     head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
-    logits = linear(x, head).astype(jnp.float32)
+    logits = linear(x, head, kernels).astype(jnp.float32)
     if c.final_logit_softcap is not None:
         logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
     return logits, cache

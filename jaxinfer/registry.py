@@ -88,4 +88,6 @@ def resolve_model(name_or_path: str) -> tuple[str, Path]:
             f"{path} is neither a Hugging Face checkpoint (config.json) nor a jaxinfer orbax folder"
         )
     names = ", ".join(EMBEDDED_MODELS)
+    if "/" in name_or_path or path.suffix == ".gguf":
+        raise ModelNotFoundError(f"no such file or folder: {path}")
     raise ModelNotFoundError(f"unknown model {name_or_path!r}: not an embedded model ({names}) nor a path")

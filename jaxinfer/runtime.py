@@ -14,23 +14,26 @@ from pathlib import Path
 
 import jax
 
-from jaxinfer.config import CacheConfig, ModelConfig
+from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.loading import LoadedModel, load_gguf, load_model
 from jaxinfer.loading.gguf_loader import open_gguf
+from jaxinfer.quantization import quantization_of, quantize_params
 from jaxinfer.registry import DEFAULT_MODEL, resolve_model
 from jaxinfer.sharding import make_mesh, param_placement
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_COMPILATION_CACHE = Path(os.environ.get("JAXINFER_CACHE_DIR", Path.home() / ".cache" / "jaxinfer")) / "xla"
+DEFAULT_COMPILATION_CACHE = (
+    Path(os.environ.get("JAXINFER_CACHE_DIR", Path.home() / ".cache" / "jaxinfer")) / "xla"
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeOptions:
     model: str = DEFAULT_MODEL
-    # None picks per backend: float32 on CPU (bf16 matmuls at one row are ~10x slower on XLA:CPU), bf16 elsewhere.
+    # None picks per backend: float32 on CPU (one-row bf16 matmuls are ~10x slower on XLA:CPU), else bf16.
     dtype: str | None = None
     cache_dtype: str | None = None
     cache_layout: str = "bhsd"
@@ -39,6 +42,8 @@ class RuntimeOptions:
     max_len: int | None = None
     max_prefill_chunk: int = 512
     mesh: dict[str, int] | None = None
+    quantize: str = "none"  # "int8": weight-only int8, quantised once at load
+    attention_impl: str = "auto"  # auto | xla | pallas
     compilation_cache_dir: str | None = str(DEFAULT_COMPILATION_CACHE)
 
 
@@ -64,7 +69,7 @@ class Runtime:
             "slots": cache.num_slots,
             "mesh": ",".join(f"{k}={v}" for k, v in self.engine.mesh.shape.items()),
             "dtype": default_dtype(self.options.dtype),
-            "quantization": "none",
+            "quantization": quantization_of(self.model.params),
         }
 
 
@@ -109,6 +114,8 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     else:
         loaded = load_model(path, dtype=dtype, placement=placement)
         tokenizer = load_tokenizer(loaded)
+    if options.quantize != "none":
+        loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, options.quantize))
     context = loaded.config.max_position_embeddings
     max_len = options.max_len or min(context, 2048)
     if max_len > context:
@@ -119,8 +126,14 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         dtype=options.cache_dtype or dtype,
         layout=options.cache_layout,
     )
+    kernels = KernelConfig.for_backend(jax.default_backend(), options.attention_impl)
     engine = JaxEngine(
-        loaded.params, loaded.config, cache_config, mesh=mesh, max_prefill_chunk=options.max_prefill_chunk
+        loaded.params,
+        loaded.config,
+        cache_config,
+        mesh=mesh,
+        max_prefill_chunk=options.max_prefill_chunk,
+        kernels=kernels,
     )
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s) in %.1fs", options.model, loaded.config.arch, seconds)

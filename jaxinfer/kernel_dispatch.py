@@ -1,0 +1,127 @@
+"""The model's two hot operations, linear layers and attention, routed to an XLA or a Pallas implementation.
+
+All choices are made at trace time from static facts (KernelConfig, the number of rows, the weight's
+type), so the compiled step contains exactly one form of each operation.
+
+A linear weight is either a float array [out, in] or an int8-quantised dict {"q": int8 [out, in],
+"scale": float32 [out]} (one scale per output channel, see quantization.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import KernelConfig
+from pallas_kernels import decode_attention, flash_attention, int8_matmul
+
+MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, dict) and "q" in w
+
+
+def _dot_nt(x: jax.Array, w: jax.Array, out_type=None) -> jax.Array:
+    """x [..., in] . w [out, in] -> [..., out] without materialising w.T."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_type)
+
+
+def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
+    """x: [..., in]; w: [out, in] float array or int8 dict -> [..., out] in x's dtype."""
+    if not is_quantized(w):
+        return _dot_nt(x, w.astype(x.dtype))
+    q, scale = w["q"], w["scale"]
+    rows = math.prod(x.shape[:-1])
+    if kernels.matmul == "pallas":
+        y = int8_matmul(x.reshape(rows, x.shape[-1]), q, scale, interpret=kernels.interpret)
+        return y.reshape(*x.shape[:-1], q.shape[0])
+    if rows > 1 and kernels.int8_activations:
+        # Dynamic per-row activation scales, int8 x int8 -> int32 dot, both scales applied after.
+        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+        x_scale = jnp.where(amax == 0, 1.0, amax / 127.0)
+        x_q = jnp.clip(jnp.round(x / x_scale), -127, 127).astype(jnp.int8)
+        acc = _dot_nt(x_q, q, out_type=jnp.int32)
+        return (acc.astype(jnp.float32) * x_scale * scale).astype(x.dtype)
+    # One row: XLA fuses the int8 -> float conversion into the matrix-vector product (memory bound).
+    return (_dot_nt(x, q.astype(x.dtype)) * scale.astype(x.dtype)).astype(x.dtype)
+
+
+def embed(table, tokens: jax.Array, dtype) -> jax.Array:
+    """Rows of the embedding table [vocab, hidden] (float or int8 dict) for tokens [...] -> [..., hidden]."""
+    if not is_quantized(table):
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+    rows = jnp.take(table["q"], tokens, axis=0).astype(jnp.float32)
+    return (rows * jnp.take(table["scale"], tokens, axis=0)[..., None]).astype(dtype)
+
+
+def attention_xla(
+    q: jax.Array,  # [b, t, h, d]
+    k: jax.Array,  # [b, kv, s, d]
+    v: jax.Array,  # [b, kv, s, d]
+    q_positions: jax.Array,  # [b, t]
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> jax.Array:
+    """Masked GQA attention in plain XLA: key j is visible to a query at position p iff j <= p (and
+    j > p - sliding_window). Returns [b, t, h, d]."""
+    b, t, h, d = q.shape
+    num_kv = k.shape[1]
+    qg = q.reshape(b, t, num_kv, h // num_kv, d)
+    scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
+    visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [b, t, s]
+    if sliding_window is not None:
+        visible &= key_pos[None, None, :] > q_positions[:, :, None] - sliding_window
+    scores = jnp.where(visible[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, t, h, d).astype(q.dtype)
+
+
+def prefill_attention_pallas(
+    q: jax.Array,  # [b, t, h, d]
+    k: jax.Array,  # [b, kv, s, d]
+    v: jax.Array,  # [b, kv, s, d]
+    q_start: jax.Array,  # [b]: absolute position of q[:, 0]
+    *,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    interpret: bool,
+) -> jax.Array:
+    """The Pallas flash-attention kernel; every cached key up to a query's position is valid."""
+    kv_lengths = jnp.full(q.shape[:1], k.shape[2], jnp.int32)
+    out = flash_attention(
+        q.transpose(0, 2, 1, 3), k, v, q_offsets=q_start.astype(jnp.int32), kv_lengths=kv_lengths,
+        sm_scale=scale, causal=True, sliding_window=sliding_window, logit_softcap=softcap,
+        interpret=interpret,
+    )  # fmt: skip
+    return out.transpose(0, 2, 1, 3)
+
+
+def decode_attention_pallas(
+    q: jax.Array,  # [slots, 1, h, d]
+    k_cache: jax.Array,  # [layers, slots, kv, max_len, d], the whole cache
+    v_cache: jax.Array,
+    lengths: jax.Array,  # [slots]: keys per slot incl. the new token; 0 for inactive slots
+    *,
+    layer: int,
+    attend_len: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+    interpret: bool,
+) -> jax.Array:
+    """The Pallas decode kernel reads the layer straight out of the whole cache (no XLA slice copy)."""
+    out = decode_attention(
+        q[:, 0], k_cache, v_cache, lengths, layer=layer, sm_scale=scale, sliding_window=sliding_window,
+        logit_softcap=softcap, max_len_bucket=attend_len, interpret=interpret,
+    )  # fmt: skip
+    return out[:, None]

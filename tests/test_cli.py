@@ -1,0 +1,116 @@
+"""The `jaxinfer` command: JSON output, convert round trip, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxinfer.cli import main
+
+NO_CACHE = ["--compilation-cache", ""]
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _assert_one_line_error(code: int, err: str, fragment: str) -> None:
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("jaxinfer: error:"), err
+    assert fragment in lines[0]
+
+
+def test_unknown_model_exits_2_without_traceback():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.cli", "generate", "--model", "no-such-model", "hello"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "unknown model 'no-such-model'" in proc.stderr
+
+
+def test_missing_and_corrupt_files(capsys, tmp_path):
+    code, _, err = _run(capsys, "generate", "--model", str(tmp_path / "absent.gguf"), "hi")
+    _assert_one_line_error(code, err, "no such file")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(os.urandom(4096))
+    code, _, err = _run(capsys, "generate", "--model", str(bad), *NO_CACHE, "hi")
+    _assert_one_line_error(code, err, "bad.gguf")
+
+
+@pytest.mark.parametrize(
+    "flags,fragment",
+    [
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "0"], "top_p"),
+        (["--max-tokens", "0"], "max_tokens"),
+        (["--top-k", "-3"], "top_k"),
+    ],
+)
+def test_invalid_sampling_values(capsys, flags, fragment):
+    code, _, err = _run(capsys, "generate", *flags, "hi")
+    _assert_one_line_error(code, err, fragment)
+
+
+def test_models_lists_the_embedded_models(capsys):
+    code, out, _ = _run(capsys, "models")
+    assert code == 0
+    assert "smollm2-135m-instruct (default)" in out and "gemma3-270m" in out
+
+
+@pytest.fixture(scope="module")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A tiny random Llama over SmolLM2's real vocabulary, with its tokenizer saved beside it."""
+    import torch
+    import transformers
+
+    from jaxinfer.registry import resolve_model
+    from jaxinfer.tokenizer import Tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-cli")
+    tok = Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct")[1])
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tok.save(directory)
+    return directory
+
+
+def test_generate_json_and_convert_round_trip(capsys, tmp_path, tiny_with_tokenizer):
+    greedy = ["--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", "json", *NO_CACHE]
+    code, out, err = _run(capsys, "generate", "--model", str(tiny_with_tokenizer), *greedy, "Hello", "1 2 3")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in rows] == ["Hello", "1 2 3"]
+    for r in rows:
+        assert set(r) >= {"prompt_token_ids", "token_ids", "text", "finish_reason", "ttft_s", "tpot_s"}
+        assert set(r) >= {"prefill_tokens_per_s", "decode_tokens_per_s"}
+        assert len(r["token_ids"]) == 6 and r["finish_reason"] == "length"
+        assert r["ttft_s"] > 0 and r["decode_tokens_per_s"] > 0
+    assert rows[1]["prompt_token_ids"][-5:] != rows[0]["prompt_token_ids"][-5:]
+
+    out_dir = tmp_path / "orbax"
+    code, out, err = _run(capsys, "convert", "--model", str(tiny_with_tokenizer), str(out_dir))
+    assert code == 0, err
+    code, out, err = _run(capsys, "generate", "--model", str(out_dir), *greedy, "Hello", "1 2 3")
+    assert code == 0, err
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [r["token_ids"] for r in rows]
+
+
+def test_prompt_longer_than_context(capsys, tiny_with_tokenizer):
+    code, _, err = _run(
+        capsys, "generate", "--model", str(tiny_with_tokenizer), "--max-len", "32", *NO_CACHE, "word " * 40
+    )
+    _assert_one_line_error(code, err, "exceeds the context length")

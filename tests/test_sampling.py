@@ -1,0 +1,125 @@
+"""Device-side sampling: each filter against its definition, penalties against transformers' processors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxinfer.request import SamplingParams
+from jaxinfer.sampling import SlotSampling, apply_penalties, sample, split_seed
+
+VOCAB = 50
+
+
+def _settings(n: int, **overrides) -> SlotSampling:
+    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
+    base |= overrides
+    arrays = {k: jnp.full((n,), v, jnp.int32 if k == "top_k" else jnp.float32) for k, v in base.items()}
+    return SlotSampling(**arrays, seed=jnp.zeros((n, 2), jnp.uint32))
+
+
+def _draw(logits: np.ndarray, draws: int, **overrides) -> np.ndarray:
+    """`draws` samples from one row of logits, one per seed."""
+    s = _settings(draws, **overrides)
+    s = dataclasses.replace(s, seed=jnp.stack([jnp.zeros(draws, jnp.uint32), jnp.arange(draws, dtype=jnp.uint32)], 1))
+    rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (draws, logits.shape[-1]))
+    seen = jnp.zeros(rows.shape, bool)
+    return np.asarray(jax.jit(sample)(rows, seen, s, jnp.zeros(draws, jnp.int32)))
+
+
+@pytest.fixture(scope="module")
+def logits():
+    return np.random.default_rng(0).normal(size=VOCAB).astype(np.float32) * 2
+
+
+def test_greedy_is_argmax_and_independent_of_seed(logits):
+    tokens = _draw(logits, 64, temperature=0.0)
+    assert (tokens == np.argmax(logits)).all()
+
+
+def test_temperature_sampling_follows_softmax(logits):
+    draws = 4000
+    tokens = _draw(logits, draws, temperature=1.5)
+    probs = np.exp(logits / 1.5 - np.max(logits / 1.5))
+    probs /= probs.sum()
+    freq = np.bincount(tokens, minlength=VOCAB) / draws
+    # total variation distance between the empirical and the true distribution
+    assert 0.5 * np.abs(freq - probs).sum() < 0.06
+
+
+def test_top_k_keeps_exactly_the_k_most_likely(logits):
+    tokens = _draw(logits, 2000, temperature=3.0, top_k=5)
+    allowed = set(np.argsort(logits)[-5:])
+    assert set(tokens) == allowed
+
+
+def test_top_p_keeps_the_smallest_nucleus(logits):
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    nucleus = set(order[mass_before < 0.6])
+    tokens = _draw(logits, 2000, top_p=0.6)
+    assert set(tokens) == nucleus
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_top(logits):
+    probs = np.exp(logits - logits.max())
+    allowed = set(np.flatnonzero(probs >= 0.2))
+    tokens = _draw(logits, 2000, min_p=0.2)
+    assert set(tokens) == allowed
+
+
+def test_penalties_match_transformers_processors(logits):
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    seen_ids = [3, 7, int(np.argmax(logits)), 20]
+    seen = np.zeros((1, VOCAB), bool)
+    seen[0, seen_ids] = True
+    s = _settings(1, repetition_penalty=1.3, presence_penalty=0.0)
+    ours = np.asarray(apply_penalties(jnp.asarray(logits[None]), jnp.asarray(seen), s))
+    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen_ids]), torch.tensor(logits[None])).numpy()
+    np.testing.assert_allclose(ours, expected, rtol=1e-6)
+
+    s = _settings(1, presence_penalty=0.75)
+    ours = np.asarray(apply_penalties(jnp.asarray(logits[None]), jnp.asarray(seen), s))
+    np.testing.assert_allclose(ours, logits[None] - 0.75 * seen, rtol=1e-6)
+
+
+def test_per_slot_settings_do_not_leak_between_slots(logits):
+    rows = jnp.asarray(np.stack([logits, logits]))
+    s = _settings(2)
+    s = dataclasses.replace(s, temperature=jnp.array([0.0, 5.0]), top_k=jnp.array([0, 2], jnp.int32))
+    top2 = set(np.argsort(logits)[-2:])
+    for seed in range(20):
+        s = dataclasses.replace(s, seed=jnp.array([[0, seed], [0, seed]], jnp.uint32))
+        tokens = np.asarray(sample(rows, jnp.zeros((2, VOCAB), bool), s, jnp.zeros(2, jnp.int32)))
+        assert tokens[0] == np.argmax(logits) and tokens[1] in top2
+
+
+def test_seed_split_round_trips_64_bits():
+    seed = (123 << 32) | 456
+    assert split_seed(seed) == (123, 456)
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("temperature", -0.1, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("top_p", 1.5, "top_p"),
+        ("top_k", -1, "top_k"),
+        ("min_p", 2.0, "min_p"),
+        ("max_tokens", 0, "max_tokens"),
+        ("repetition_penalty", 0.0, "repetition_penalty"),
+        ("seed", -1, "seed"),
+    ],
+)
+def test_invalid_sampling_values_are_rejected(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value}).validate()

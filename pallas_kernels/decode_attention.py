@@ -67,8 +67,9 @@ def _check_inputs(q, k_cache, v_cache, lengths, layer, sliding_window, logit_sof
     if q.ndim != 3:
         raise ValueError(f"q must be [num_slots, num_heads, head_dim]; got {q.shape=}")
     if k_cache.ndim != 5 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"caches must be equal [layers, slots, kv_heads, max_len, dim]: {k_cache.shape=} "
-                         f"{v_cache.shape=}")
+        raise ValueError(
+            f"caches must be equal [layers, slots, kv_heads, max_len, dim]: {k_cache.shape=} {v_cache.shape=}"
+        )
     num_slots, num_heads, head_dim = q.shape
     num_layers, cache_slots, num_kv_heads, max_len, cache_dim = k_cache.shape
     if cache_slots != num_slots or cache_dim != head_dim:
@@ -80,8 +81,9 @@ def _check_inputs(q, k_cache, v_cache, lengths, layer, sliding_window, logit_sof
     if q.dtype != k_cache.dtype or k_cache.dtype != v_cache.dtype:
         raise ValueError(f"dtypes differ: {q.dtype=} {k_cache.dtype=} {v_cache.dtype=}")
     if lengths.shape != (num_slots,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"lengths must be an integer array of shape ({num_slots},); got {lengths.shape} "
-                         f"{lengths.dtype}")
+        raise ValueError(
+            f"lengths must be an integer array of shape ({num_slots},); got {lengths.shape} {lengths.dtype}"
+        )
     if not isinstance(layer, int) or not 0 <= layer < num_layers:
         raise ValueError(f"{layer=} must be a static int in [0, {num_layers=})")
     if sliding_window is not None and sliding_window < 1:
@@ -97,7 +99,13 @@ def _check_inputs(q, k_cache, v_cache, lengths, layer, sliding_window, logit_sof
 @functools.partial(
     jax.jit,
     static_argnames=[
-        "layer", "sm_scale", "sliding_window", "logit_softcap", "block_sizes", "num_splits", "max_len_bucket",
+        "layer",
+        "sm_scale",
+        "sliding_window",
+        "logit_softcap",
+        "block_sizes",
+        "num_splits",
+        "max_len_bucket",
         "interpret",
     ],
 )

@@ -84,8 +84,11 @@ def _normal(key, shape, dtype):
 
 def flash_cases(small: bool, interpret: bool) -> list[Case]:
     # (batch, heads, kv_heads, seq, dim)
-    shapes = ([(1, 4, 2, 100, 64)] if small else
-              [(4, 32, 8, 2048, 128), (1, 32, 8, 8192, 128), (2, 8, 4, 4096, 256)])
+    shapes = (
+        [(1, 4, 2, 100, 64)]
+        if small
+        else [(4, 32, 8, 2048, 128), (1, 32, 8, 8192, 128), (2, 8, 4, 4096, 256)]
+    )
     cases = []
     for batch, heads, kv_heads, seq, dim in shapes:
         kq, kk, kv = jax.random.split(jax.random.key(seq), 3)
@@ -97,17 +100,33 @@ def flash_cases(small: bool, interpret: bool) -> list[Case]:
         pallas = jax.jit(lambda q, k, v, kw=kwargs: flash_attention(q, k, v, interpret=interpret, **kw))
         reference = jax.jit(lambda q, k, v, kw=kwargs: flash_attention_reference(q, k, v, **kw))
         causal_flops = 4 * batch * heads * seq * seq * dim / 2
-        cases.append(Case("flash_attention", f"B{batch} N{heads} K{kv_heads} T{seq} D{dim} causal bf16",
-                          pallas, reference, (q, k, v), 2 * q.nbytes + k.nbytes + v.nbytes,
-                          causal_flops, compute_bound=True))
+        cases.append(
+            Case(
+                "flash_attention",
+                f"B{batch} N{heads} K{kv_heads} T{seq} D{dim} causal bf16",
+                pallas,
+                reference,
+                (q, k, v),
+                2 * q.nbytes + k.nbytes + v.nbytes,
+                causal_flops,
+                compute_bound=True,
+            )
+        )
     return cases
 
 
 def decode_cases(small: bool, interpret: bool) -> list[Case]:
     # (layers, slots, heads, kv_heads, max_len, dim, context, splits)
-    shapes = ([(2, 4, 8, 2, 128, 64, 100, 2)] if small else
-              [(4, 8, 32, 8, 4096, 128, 2048, 1), (4, 8, 32, 8, 4096, 128, 2048, 4),
-               (4, 64, 32, 8, 4096, 128, 1024, 2), (4, 1, 32, 8, 32768, 128, 30000, 16)])
+    shapes = (
+        [(2, 4, 8, 2, 128, 64, 100, 2)]
+        if small
+        else [
+            (4, 8, 32, 8, 4096, 128, 2048, 1),
+            (4, 8, 32, 8, 4096, 128, 2048, 4),
+            (4, 64, 32, 8, 4096, 128, 1024, 2),
+            (4, 1, 32, 8, 32768, 128, 30000, 16),
+        ]
+    )
     cases = []
     for layers, slots, heads, kv_heads, max_len, dim, context, splits in shapes:
         kq, kk, kv, kl = jax.random.split(jax.random.key(max_len + slots), 4)
@@ -121,17 +140,33 @@ def decode_cases(small: bool, interpret: bool) -> list[Case]:
         pallas = jax.jit(lambda *a, kw=kwargs: decode_attention(*a, interpret=interpret, **kw))
         reference = jax.jit(lambda *a, kw=kwargs: decode_attention_reference(*a, **kw))
         kv_bytes = 2 * int(lengths.sum()) * kv_heads * dim * 2
-        cases.append(Case("decode_attention", f"slots{slots} N{heads} K{kv_heads} ctx~{context} M{max_len} "
-                          f"splits{splits} bf16", pallas, reference, (q, k_cache, v_cache, lengths),
-                          kv_bytes + 2 * q.nbytes, 4 * int(lengths.sum()) * heads * dim))
+        cases.append(
+            Case(
+                "decode_attention",
+                f"slots{slots} N{heads} K{kv_heads} ctx~{context} M{max_len} splits{splits} bf16",
+                pallas,
+                reference,
+                (q, k_cache, v_cache, lengths),
+                kv_bytes + 2 * q.nbytes,
+                4 * int(lengths.sum()) * heads * dim,
+            )
+        )
     return cases
 
 
 def int8_cases(small: bool, interpret: bool) -> list[Case]:
     # (m, n, k, group_size)
-    shapes = ([(4, 256, 512, None), (4, 256, 512, 128)] if small else
-              [(1, 4096, 4096, None), (8, 14336, 4096, None), (8, 4096, 14336, None), (8, 14336, 4096, 128),
-               (64, 4096, 4096, None)])
+    shapes = (
+        [(4, 256, 512, None), (4, 256, 512, 128)]
+        if small
+        else [
+            (1, 4096, 4096, None),
+            (8, 14336, 4096, None),
+            (8, 4096, 14336, None),
+            (8, 14336, 4096, 128),
+            (64, 4096, 4096, None),
+        ]
+    )
     cases = []
     for m, n, k, group in shapes:
         kx, kw = jax.random.split(jax.random.key(n + k + m))
@@ -140,8 +175,17 @@ def int8_cases(small: bool, interpret: bool) -> list[Case]:
         pallas = jax.jit(lambda x, w, s: int8_matmul(x, w, s, interpret=interpret))
         reference = jax.jit(int8_matmul_reference)
         scheme = "per-channel" if group is None else f"group{group}"
-        cases.append(Case("int8_matmul", f"m{m} n{n} k{k} {scheme} bf16", pallas, reference, (x, w_q, scale),
-                          w_q.nbytes + scale.nbytes + x.nbytes + m * n * 2, 2 * m * n * k))
+        cases.append(
+            Case(
+                "int8_matmul",
+                f"m{m} n{n} k{k} {scheme} bf16",
+                pallas,
+                reference,
+                (x, w_q, scale),
+                w_q.nbytes + scale.nbytes + x.nbytes + m * n * 2,
+                2 * m * n * k,
+            )
+        )
     return cases
 
 
@@ -186,8 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     small = args.small or interpret
     roofline_gbs = args.roofline_gbs or detect_roofline_gbs()
     iters = args.iters or (3 if interpret else 30)
-    print(f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} interpret={interpret} "
-          f"roofline={roofline_gbs:.0f} GB/s iters={iters}")
+    print(
+        f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} interpret={interpret} "
+        f"roofline={roofline_gbs:.0f} GB/s iters={iters}"
+    )
     for name in args.kernels:
         for case in CASE_BUILDERS[name](small, interpret):
             print(format_row(run_case(case, iters, roofline_gbs), roofline_gbs), flush=True)

@@ -64,23 +64,33 @@ def check_errors(dry_run: bool, interpret: bool) -> None:
     tolerance = {jnp.float32: 1e-5 if interpret else 5e-3, jnp.bfloat16: 1e-2}
     seq, max_len = (45, 64) if dry_run else (1000, 4096)
     for dtype in (jnp.bfloat16, jnp.float32):
-        for heads, kv_heads, dim, window, softcap in ((8, 2, 64, None, None), (8, 1, 128, 33, None),
-                                                      (4, 4, 256, None, 50.0)):
+        for heads, kv_heads, dim, window, softcap in (
+            (8, 2, 64, None, None),
+            (8, 1, 128, 33, None),
+            (4, 4, 256, None, 50.0),
+        ):
             kq, kk, kv = jax.random.split(jax.random.key(dim + heads), 3)
             q = _normal(kq, (2, heads, seq, dim), dtype)
             k = _normal(kk, (2, kv_heads, seq + 7, dim), dtype)
             v = _normal(kv, (2, kv_heads, seq + 7, dim), dtype)
-            tables = dict(q_offsets=jnp.array([0, 7], jnp.int32),
-                          kv_lengths=jnp.array([seq, seq + 7], jnp.int32))
+            tables = dict(
+                q_offsets=jnp.array([0, 7], jnp.int32), kv_lengths=jnp.array([seq, seq + 7], jnp.int32)
+            )
             kwargs = dict(**tables, sm_scale=dim**-0.5, sliding_window=window, logit_softcap=softcap)
             out = flash_attention(q, k, v, interpret=interpret, **kwargs)
             err = bench_kernels.rel_err(out, flash_attention_reference(q, k, v, **kwargs))
             finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-            _record(f"flash N{heads}/K{kv_heads} D{dim} w{window} cap{softcap} {jnp.dtype(dtype).name}",
-                    finite and err < tolerance[dtype], f"rel err {err:.2e}")
+            _record(
+                f"flash N{heads}/K{kv_heads} D{dim} w{window} cap{softcap} {jnp.dtype(dtype).name}",
+                finite and err < tolerance[dtype],
+                f"rel err {err:.2e}",
+            )
 
-        for heads, kv_heads, dim, splits, window in ((32, 8, 128, 1, None), (32, 8, 128, 4, None),
-                                                     (8, 1, 256, 2, 40)):
+        for heads, kv_heads, dim, splits, window in (
+            (32, 8, 128, 1, None),
+            (32, 8, 128, 4, None),
+            (8, 1, 256, 2, 40),
+        ):
             kq, kk, kv = jax.random.split(jax.random.key(splits + dim), 3)
             slots = 5
             q = _normal(kq, (slots, heads, dim), dtype)
@@ -92,8 +102,11 @@ def check_errors(dry_run: bool, interpret: bool) -> None:
             ref = decode_attention_reference(q, k_cache, v_cache, lengths, **kwargs)
             err = bench_kernels.rel_err(out, ref)
             ok = bool(jnp.isfinite(out.astype(jnp.float32)).all()) and bool((out[0] == 0).all())
-            _record(f"decode N{heads}/K{kv_heads} D{dim} splits{splits} w{window} {jnp.dtype(dtype).name}",
-                    ok and err < tolerance[dtype], f"rel err {err:.2e}")
+            _record(
+                f"decode N{heads}/K{kv_heads} D{dim} splits{splits} w{window} {jnp.dtype(dtype).name}",
+                ok and err < tolerance[dtype],
+                f"rel err {err:.2e}",
+            )
 
         n, k = (256, 512) if dry_run else (4096, 4096)
         for m, group in ((1, None), (13, None), (16, 128), (130, 64)):
@@ -103,8 +116,11 @@ def check_errors(dry_run: bool, interpret: bool) -> None:
             out = int8_matmul(x, w_q, scale, interpret=interpret)
             err = bench_kernels.rel_err(out, int8_matmul_reference(x, w_q, scale))
             finite = bool(jnp.isfinite(out.astype(jnp.float32)).all())
-            _record(f"int8_matmul m{m} n{n} k{k} group{group} {jnp.dtype(dtype).name}",
-                    finite and err < tolerance[dtype], f"rel err {err:.2e}")
+            _record(
+                f"int8_matmul m{m} n{n} k{k} group{group} {jnp.dtype(dtype).name}",
+                finite and err < tolerance[dtype],
+                f"rel err {err:.2e}",
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -128,6 +144,7 @@ class StackConfig:
 
 def _init_stack(cfg: StackConfig, int8: bool):
     """Random weights, stored [out, in]; fused qkv and gate/up projections. int8: (w_q, per-channel scale)."""
+
     def weight(key, out_dim, in_dim):
         w = _normal(key, (out_dim, in_dim), jnp.bfloat16, scale=in_dim**-0.5)
         return quantize_int8(w) if int8 else w
@@ -136,12 +153,14 @@ def _init_stack(cfg: StackConfig, int8: bool):
     layers = []
     for i in range(cfg.layers):
         k1, k2, k3, k4 = jax.random.split(jax.random.key(100 + i), 4)
-        layers.append({
-            "wqkv": weight(k1, qkv_dim, cfg.hidden),
-            "wo": weight(k2, cfg.hidden, cfg.heads * cfg.head_dim),
-            "w_gate_up": weight(k3, 2 * cfg.ffn, cfg.hidden),
-            "w_down": weight(k4, cfg.hidden, cfg.ffn),
-        })
+        layers.append(
+            {
+                "wqkv": weight(k1, qkv_dim, cfg.hidden),
+                "wo": weight(k2, cfg.hidden, cfg.heads * cfg.head_dim),
+                "w_gate_up": weight(k3, 2 * cfg.ffn, cfg.hidden),
+                "w_down": weight(k4, cfg.hidden, cfg.ffn),
+            }
+        )
     return layers
 
 
@@ -152,8 +171,9 @@ def _linear(x, w, mode: str, interpret: bool):
         if mode == "pallas":
             return int8_matmul(x, w_q, scale, interpret=interpret)
         # XLA's own weight-only int8 form: the int8 -> bf16 convert fuses into the dot.
-        y = jax.lax.dot_general(x, w_q.astype(x.dtype), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+        y = jax.lax.dot_general(
+            x, w_q.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+        )
         return (y * scale).astype(x.dtype)
     y = jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     return y.astype(x.dtype)
@@ -175,15 +195,15 @@ def _decode_step(layers, k_cache, v_cache, x, lengths, *, cfg: StackConfig, mode
     for i, w in enumerate(layers):
         qkv = linear(_rms_norm(x), w["wqkv"])  # [B, (N + 2K) * D]
         q = qkv[:, :q_dim].reshape(batch, cfg.heads, cfg.head_dim)
-        k = qkv[:, q_dim:q_dim + kv_dim].reshape(batch, cfg.kv_heads, cfg.head_dim)
-        v = qkv[:, q_dim + kv_dim:].reshape(batch, cfg.kv_heads, cfg.head_dim)
+        k = qkv[:, q_dim : q_dim + kv_dim].reshape(batch, cfg.kv_heads, cfg.head_dim)
+        v = qkv[:, q_dim + kv_dim :].reshape(batch, cfg.kv_heads, cfg.head_dim)
         k_cache = k_cache.at[i, slot_ids, :, positions].set(k)
         v_cache = v_cache.at[i, slot_ids, :, positions].set(v)
         tuning = {"interpret": interpret, "num_splits": cfg.decode_splits} if mode == "pallas" else {}
         attn = attention(q, k_cache, v_cache, lengths, layer=i, sm_scale=cfg.head_dim**-0.5, **tuning)
         x = x + linear(attn.reshape(batch, q_dim), w["wo"])
         gate_up = linear(_rms_norm(x), w["w_gate_up"])  # [B, 2F]
-        x = x + linear(jax.nn.silu(gate_up[:, :cfg.ffn]) * gate_up[:, cfg.ffn:], w["w_down"])
+        x = x + linear(jax.nn.silu(gate_up[:, : cfg.ffn]) * gate_up[:, cfg.ffn :], w["w_down"])
     return x, k_cache, v_cache
 
 
@@ -200,8 +220,10 @@ def check_decode_stack(cfg: StackConfig, iters: int, roofline_gbs: float, interp
             if time.monotonic() > deadline:
                 _record(f"decode stack {weights} {mode}", None, "skipped: time budget")
                 continue
-            step = jax.jit(functools.partial(_decode_step, cfg=cfg, mode=mode, interpret=interpret),
-                           donate_argnums=(1, 2))
+            step = jax.jit(
+                functools.partial(_decode_step, cfg=cfg, mode=mode, interpret=interpret),
+                donate_argnums=(1, 2),
+            )
             k_cache = _normal(jax.random.key(1), cache_shape, jnp.bfloat16)
             v_cache = _normal(jax.random.key(2), cache_shape, jnp.bfloat16)
             x0 = _normal(jax.random.key(3), (cfg.slots, cfg.hidden), jnp.bfloat16)
@@ -216,16 +238,22 @@ def check_decode_stack(cfg: StackConfig, iters: int, roofline_gbs: float, interp
                 times.append(time.perf_counter() - start)
             seconds = float(np.median(times))
             gbs = bytes_per_step / seconds / 1e9
-            _record(f"decode stack {weights} {mode} L{cfg.layers} B{cfg.slots} ctx{cfg.context}", None,
-                    f"{seconds * 1e3:.2f} ms/step, {cfg.slots / seconds:.0f} tok/s, {gbs:.0f} GB/s = "
-                    f"{100 * gbs / roofline_gbs:.0f}% of roofline ({bytes_per_step / 1e9:.2f} GB/step, "
-                    f"roofline {bytes_per_step / roofline_gbs / 1e6:.2f} ms), first call {compile_s:.1f} s")
+            _record(
+                f"decode stack {weights} {mode} L{cfg.layers} B{cfg.slots} ctx{cfg.context}",
+                None,
+                f"{seconds * 1e3:.2f} ms/step, {cfg.slots / seconds:.0f} tok/s, {gbs:.0f} GB/s = "
+                f"{100 * gbs / roofline_gbs:.0f}% of roofline ({bytes_per_step / 1e9:.2f} GB/step, "
+                f"roofline {bytes_per_step / roofline_gbs / 1e6:.2f} ms), first call {compile_s:.1f} s",
+            )
             del k_cache, v_cache
         if (weights, "xla") in outputs and (weights, "pallas") in outputs:
             a, b = outputs[(weights, "pallas")], outputs[(weights, "xla")]
             err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-            _record(f"decode stack {weights} pallas vs xla output", bool(np.isfinite(a).all()) and err < 2e-2,
-                    f"rel err {err:.2e}")
+            _record(
+                f"decode stack {weights} pallas vs xla output",
+                bool(np.isfinite(a).all()) and err < 2e-2,
+                f"rel err {err:.2e}",
+            )
         del layers
 
 
@@ -247,8 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     interpret = default_interpret()
     roofline_gbs = args.roofline_gbs or bench_kernels.detect_roofline_gbs()
     iters = args.iters or (2 if args.dry_run else 30)
-    print(f"jax {jax.__version__} backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
-          f"interpret={interpret} roofline={roofline_gbs:.0f} GB/s", flush=True)
+    print(
+        f"jax {jax.__version__} backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
+        f"interpret={interpret} roofline={roofline_gbs:.0f} GB/s",
+        flush=True,
+    )
     if not args.dry_run and interpret:
         print("no accelerator: running the --dry-run shapes instead", flush=True)
     dry_run = args.dry_run or interpret
@@ -263,13 +294,29 @@ def main(argv: list[str] | None = None) -> int:
             row = bench_kernels.run_case(case, iters, roofline_gbs)
             print(bench_kernels.format_row(row, roofline_gbs), flush=True)
             speedup = row["xla_ms"] / row["pallas_ms"]
-            _record(f"bench {case.kernel} {case.shape}", None,
-                    f"pallas {row['pallas_ms']:.3f} ms vs xla {row['xla_ms']:.3f} ms ({speedup:.2f}x)")
+            _record(
+                f"bench {case.kernel} {case.shape}",
+                None,
+                f"pallas {row['pallas_ms']:.3f} ms vs xla {row['xla_ms']:.3f} ms ({speedup:.2f}x)",
+            )
 
     print("\n== Llama-3-8B-shaped decode stack ==", flush=True)
-    cfg = (StackConfig(hidden=256, heads=4, kv_heads=2, head_dim=64, ffn=512, layers=2, slots=2, max_len=64,
-                       context=40, decode_splits=2) if dry_run else
-           StackConfig(layers=args.layers, slots=args.slots, context=args.context))
+    cfg = (
+        StackConfig(
+            hidden=256,
+            heads=4,
+            kv_heads=2,
+            head_dim=64,
+            ffn=512,
+            layers=2,
+            slots=2,
+            max_len=64,
+            context=40,
+            decode_splits=2,
+        )
+        if dry_run
+        else StackConfig(layers=args.layers, slots=args.slots, context=args.context)
+    )
     check_decode_stack(cfg, iters, roofline_gbs, interpret, deadline)
 
     print(f"\n== summary ({time.monotonic() - start:.0f} s) ==")

@@ -68,20 +68,53 @@ CASES = {
     "mqa_window_splits": (2, 3, 4, 1, 64, 64, (64, 30, 9), 0, 12, None, 4, None, jnp.float32, 8),
     "mha_softcap_bucket": (2, 3, 2, 2, 96, 64, (33, 0, 64), 1, None, 5.0, 2, 64, jnp.float32, 16),
     "bf16_gqa_d128": (1, 2, 4, 2, 48, 128, (48, 23), 0, None, None, 2, None, jnp.bfloat16, 8),
-    "bf16_mqa_d256_window_default_blocks": (1, 2, 4, 1, 64, 256, (64, 40), 0, 16, 30.0, 1, None, jnp.bfloat16,
-                                            None),
+    "bf16_mqa_d256_window_default_blocks": (
+        1,
+        2,
+        4,
+        1,
+        64,
+        256,
+        (64, 40),
+        0,
+        16,
+        30.0,
+        1,
+        None,
+        jnp.bfloat16,
+        None,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_reference(case):
-    (layers, slots, heads, kv_heads, max_len, head_dim, lengths, layer, window, softcap, splits, bucket,
-     dtype, block_k) = CASES[case]
+    (
+        layers,
+        slots,
+        heads,
+        kv_heads,
+        max_len,
+        head_dim,
+        lengths,
+        layer,
+        window,
+        softcap,
+        splits,
+        bucket,
+        dtype,
+        block_k,
+    ) = CASES[case]
     q, k_cache, v_cache = _inputs(1, layers, slots, heads, kv_heads, max_len, head_dim, dtype)
     lengths = jnp.array(lengths, jnp.int32)
     kwargs = dict(
-        layer=layer, sm_scale=head_dim**-0.5, sliding_window=window, logit_softcap=softcap, num_splits=splits,
-        max_len_bucket=bucket, block_sizes=None if block_k is None else BlockSizes(block_k),
+        layer=layer,
+        sm_scale=head_dim**-0.5,
+        sliding_window=window,
+        logit_softcap=softcap,
+        num_splits=splits,
+        max_len_bucket=bucket,
+        block_sizes=None if block_k is None else BlockSizes(block_k),
     )
     out = decode_attention(q, k_cache, v_cache, lengths, interpret=INTERPRET, **kwargs)
     ref = decode_attention_reference(q, k_cache, v_cache, lengths, **kwargs)
@@ -99,19 +132,21 @@ def test_reads_only_valid_blocks_of_its_layer_and_slot(num_splits):
     block_k, max_len, window = 8, 64, 10
     q, k_cache, v_cache = _inputs(2, 3, 4, 4, 2, max_len, 64, jnp.float32)
     lengths = np.array([0, 5, 29, 64])
-    kwargs = dict(layer=1, sm_scale=0.125, sliding_window=window, num_splits=num_splits,
-                  block_sizes=BlockSizes(block_k))
+    kwargs = dict(
+        layer=1, sm_scale=0.125, sliding_window=window, num_splits=num_splits, block_sizes=BlockSizes(block_k)
+    )
     ref = decode_attention_reference(q, k_cache, v_cache, jnp.asarray(lengths, jnp.int32), **kwargs)
     keep = np.zeros(k_cache.shape, bool)
     for b, length in enumerate(lengths):
         if length:
             first_block = max(0, length - window) // block_k
             last_block = -(-length // block_k)
-            keep[1, b, :, first_block * block_k:last_block * block_k] = True
+            keep[1, b, :, first_block * block_k : last_block * block_k] = True
     k_poisoned = jnp.where(keep, k_cache, jnp.nan)
     v_poisoned = jnp.where(keep, v_cache, jnp.nan)
-    out = decode_attention(q, k_poisoned, v_poisoned, jnp.asarray(lengths, jnp.int32), interpret=INTERPRET,
-                           **kwargs)
+    out = decode_attention(
+        q, k_poisoned, v_poisoned, jnp.asarray(lengths, jnp.int32), interpret=INTERPRET, **kwargs
+    )
     assert np.all(np.isfinite(np.asarray(out)))
     assert _rel_err(out, ref) < 1e-5
 
@@ -129,8 +164,9 @@ def test_reads_only_valid_blocks_of_its_layer_and_slot(num_splits):
 def test_invalid_inputs_raise(kwargs):
     q, k_cache, v_cache = _inputs(3, 2, 2, 4, 2, 64, 64, jnp.float32)
     with pytest.raises(ValueError):
-        decode_attention(q, k_cache, v_cache, jnp.ones((2,), jnp.int32), sm_scale=1.0, interpret=INTERPRET,
-                         **kwargs)
+        decode_attention(
+            q, k_cache, v_cache, jnp.ones((2,), jnp.int32), sm_scale=1.0, interpret=INTERPRET, **kwargs
+        )
 
 
 def test_mismatched_shapes_raise():
@@ -148,7 +184,11 @@ def test_lowers_for_gpu_and_tpu(platform):
     cache = spec((3, 5, 2, 512, 128), jnp.bfloat16)
     kwargs = dict(layer=2, sm_scale=0.1, num_splits=2, sliding_window=99)
     exported = export_for_platform(
-        lambda q, k, v, n: decode_attention(q, k, v, n, **kwargs), platform,
-        spec((5, 8, 128), jnp.bfloat16), cache, cache, spec((5,), jnp.int32),
+        lambda q, k, v, n: decode_attention(q, k, v, n, **kwargs),
+        platform,
+        spec((5, 8, 128), jnp.bfloat16),
+        cache,
+        cache,
+        spec((5,), jnp.int32),
     )
     assert ("triton" if platform == "cuda" else "tpu_custom_call") in exported.mlir_module()

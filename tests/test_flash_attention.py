@@ -44,7 +44,8 @@ def _naive_attention(q, k, v, q_offsets, kv_lengths, sm_scale, causal, sliding_w
             for t in range(q_len):
                 pos = int(q_offsets[b]) + t
                 keys = [
-                    j for j in range(int(kv_lengths[b]))
+                    j
+                    for j in range(int(kv_lengths[b]))
                     if (not causal or j <= pos) and (sliding_window is None or j > pos - sliding_window)
                 ]
                 if not keys:
@@ -65,8 +66,11 @@ def test_interpret_mode_poisons_unwritten_outputs():
 
     x = jnp.ones((16, 8), jnp.float32)
     out = pl.pallas_call(
-        kernel, grid=(2,), in_specs=[pl.BlockSpec((8, 8), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((8, 8), lambda i: (i, 0)), out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+        kernel,
+        grid=(2,),
+        in_specs=[pl.BlockSpec((8, 8), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((8, 8), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
         interpret=INTERPRET,
     )(x)
     assert np.all(np.asarray(out[:8]) == 1.0) and np.all(np.isnan(np.asarray(out[8:])))
@@ -94,19 +98,49 @@ CASES = {
     "window_offset_gqa": (2, 4, 2, 21, 70, 64, (40, 9), (61, 30), True, 16, None, jnp.float32, (16, 32)),
     "non_causal_padding": (2, 2, 1, 12, 37, 64, (0, 0), (5, 33), False, None, None, jnp.float32, (16, 16)),
     "bf16_gqa_d128": (1, 4, 2, 33, 33, 128, (0,), (33,), True, None, None, jnp.bfloat16, (16, 16)),
-    "bf16_mqa_d256_window_default_blocks": (1, 2, 1, 50, 50, 256, (0,), (50,), True, 20, 30.0, jnp.bfloat16,
-                                            None),
+    "bf16_mqa_d256_window_default_blocks": (
+        1,
+        2,
+        1,
+        50,
+        50,
+        256,
+        (0,),
+        (50,),
+        True,
+        20,
+        30.0,
+        jnp.bfloat16,
+        None,
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kernel_matches_reference(case):
-    (batch, heads, kv_heads, q_len, kv_len, head_dim, q_offsets, kv_lengths, causal, window, softcap, dtype,
-     blocks) = CASES[case]
+    (
+        batch,
+        heads,
+        kv_heads,
+        q_len,
+        kv_len,
+        head_dim,
+        q_offsets,
+        kv_lengths,
+        causal,
+        window,
+        softcap,
+        dtype,
+        blocks,
+    ) = CASES[case]
     q, k, v = _inputs(1, batch, heads, kv_heads, q_len, kv_len, head_dim, dtype)
     kwargs = dict(
-        q_offsets=jnp.array(q_offsets, jnp.int32), kv_lengths=jnp.array(kv_lengths, jnp.int32),
-        sm_scale=head_dim**-0.5, causal=causal, sliding_window=window, logit_softcap=softcap,
+        q_offsets=jnp.array(q_offsets, jnp.int32),
+        kv_lengths=jnp.array(kv_lengths, jnp.int32),
+        sm_scale=head_dim**-0.5,
+        causal=causal,
+        sliding_window=window,
+        logit_softcap=softcap,
         block_sizes=None if blocks is None else BlockSizes(*blocks),
     )
     out = flash_attention(q, k, v, interpret=INTERPRET, **kwargs)
@@ -119,8 +153,12 @@ def test_kernel_matches_reference(case):
 def test_rows_without_visible_keys_are_zero():
     # Batch row 1 has no valid keys at all (kv_length 0): its queries see nothing and must give zeros.
     q, k, v = _inputs(2, 2, 2, 2, 20, 20, 64, jnp.float32)
-    kwargs = dict(q_offsets=jnp.array([0, 0], jnp.int32), kv_lengths=jnp.array([20, 0], jnp.int32),
-                  sm_scale=0.125, block_sizes=BlockSizes(16, 16))
+    kwargs = dict(
+        q_offsets=jnp.array([0, 0], jnp.int32),
+        kv_lengths=jnp.array([20, 0], jnp.int32),
+        sm_scale=0.125,
+        block_sizes=BlockSizes(16, 16),
+    )
     out = np.asarray(flash_attention(q, k, v, interpret=INTERPRET, **kwargs))
     assert np.all(np.isfinite(out)) and np.all(out[1] == 0.0)
     assert _rel_err(out[0], flash_attention_reference(q, k, v, **kwargs)[0]) < 1e-5
@@ -131,11 +169,17 @@ def test_fully_masked_key_blocks_are_not_loaded():
     # must be skipped are NaN-filled: beyond kv_lengths (row 0) and before the sliding window (row 1).
     block = 16
     q, k, v = _inputs(3, 2, 2, 1, 16, 64, 64, jnp.float32)
-    kwargs = dict(q_offsets=jnp.array([0, 48], jnp.int32), kv_lengths=jnp.array([32, 64], jnp.int32),
-                  sm_scale=0.125, causal=True, sliding_window=8, block_sizes=BlockSizes(block, block))
+    kwargs = dict(
+        q_offsets=jnp.array([0, 48], jnp.int32),
+        kv_lengths=jnp.array([32, 64], jnp.int32),
+        sm_scale=0.125,
+        causal=True,
+        sliding_window=8,
+        block_sizes=BlockSizes(block, block),
+    )
     ref = flash_attention_reference(q, k, v, **kwargs)
-    v = v.at[0, :, 2 * block:].set(jnp.nan).at[1, :, :2 * block].set(jnp.nan)
-    k = k.at[0, :, 2 * block:].set(jnp.nan).at[1, :, :2 * block].set(jnp.nan)
+    v = v.at[0, :, 2 * block :].set(jnp.nan).at[1, :, : 2 * block].set(jnp.nan)
+    k = k.at[0, :, 2 * block :].set(jnp.nan).at[1, :, : 2 * block].set(jnp.nan)
     out = flash_attention(q, k, v, interpret=INTERPRET, **kwargs)
     assert np.all(np.isfinite(np.asarray(out)))
     assert _rel_err(out, ref) < 1e-5
@@ -172,8 +216,12 @@ def test_lowers_for_gpu_and_tpu(platform):
     spec = jax.ShapeDtypeStruct
     fn = functools.partial(flash_attention, sm_scale=0.1, sliding_window=64, logit_softcap=30.0)
     exported = export_for_platform(
-        lambda q, k, v, offsets, lengths: fn(q, k, v, q_offsets=offsets, kv_lengths=lengths), platform,
-        spec((2, 8, 300, 128), jnp.bfloat16), spec((2, 2, 300, 128), jnp.bfloat16),
-        spec((2, 2, 300, 128), jnp.bfloat16), spec((2,), jnp.int32), spec((2,), jnp.int32),
+        lambda q, k, v, offsets, lengths: fn(q, k, v, q_offsets=offsets, kv_lengths=lengths),
+        platform,
+        spec((2, 8, 300, 128), jnp.bfloat16),
+        spec((2, 2, 300, 128), jnp.bfloat16),
+        spec((2, 2, 300, 128), jnp.bfloat16),
+        spec((2,), jnp.int32),
+        spec((2,), jnp.int32),
     )
     assert ("triton" if platform == "cuda" else "tpu_custom_call") in exported.mlir_module()

@@ -108,8 +108,13 @@ def test_kernel_matches_reference(case):
 )
 def test_invalid_inputs_raise(x_shape, w_shape, scale_shape, kwargs):
     with pytest.raises(ValueError):
-        int8_matmul(jnp.ones(x_shape), jnp.ones(w_shape, jnp.int8), jnp.ones(scale_shape),
-                    interpret=INTERPRET, **kwargs)
+        int8_matmul(
+            jnp.ones(x_shape),
+            jnp.ones(w_shape, jnp.int8),
+            jnp.ones(scale_shape),
+            interpret=INTERPRET,
+            **kwargs,
+        )
 
 
 def test_float_weights_rejected():

@@ -1,4 +1,4 @@
-"""Model numerics against Hugging Face transformers (float32, CPU): tiny random checkpoints and the real GGUFs."""
+"""Model numerics against Hugging Face transformers (float32, CPU): tiny checkpoints and the real GGUFs."""
 
 from __future__ import annotations
 
@@ -69,7 +69,9 @@ def test_real_gguf_matches_transformers(real_runtime, name):
     prompts = [tok.encode(REAL_PROMPTS[name])]
     if name == "gemma3-270m":
         # Longer than the 512-token sliding window, so local and global layers see different keys.
-        long_text = " ".join(f"Item {i}: the {w} river flows north." for i, w in enumerate(["red", "blue"] * 40))
+        long_text = " ".join(
+            f"Item {i}: the {w} river flows north." for i, w in enumerate(["red", "blue"] * 40)
+        )
         prompts.append(tok.encode(long_text + " In summary, the rivers"))
         assert len(prompts[-1]) > 600
     path = runtime.model.path

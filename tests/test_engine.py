@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import CacheConfig, ModelConfig
+from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, PrefillChunk
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
@@ -57,30 +57,41 @@ class _IdDetokenizer:
 
 
 def _full_logits(params, config, tokens: list[int]) -> np.ndarray:
-    """[t, vocab] logits of one uncached pass over the whole sequence."""
+    """[t, vocab] logits of one uncached pass over the whole sequence (padded to 128: one compile)."""
     cache = init_cache(config, CacheConfig(num_slots=1, max_len=128), make_mesh())
     t = len(tokens)
-    logits, _ = forward(
-        params, config, jnp.asarray([tokens], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache,
-        jnp.zeros(1, jnp.int32), attend_len=128,
+    padded = jnp.zeros((1, 128), jnp.int32).at[0, :t].set(jnp.asarray(tokens, jnp.int32))
+    logits, _ = _jit_forward(
+        params, config, padded, jnp.arange(128, dtype=jnp.int32)[None], cache, jnp.zeros(1, jnp.int32),
+        attend_len=128,
     )  # fmt: skip
-    return np.asarray(logits[0])
+    return np.asarray(logits[0, :t])  # causal: the padding after t changes nothing before it
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+_jit_forward = jax.jit(forward, static_argnames=("config", "attend_len", "all_slots"))
+
+
+@pytest.mark.parametrize("layout,dtype", [("bhsd", "float32"), ("bshd", "float32"), ("bhsd", "int8")])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_cached_decode_equals_full_recompute(arch, layout):
+def test_cached_decode_equals_full_recompute(arch, layout, dtype):
     config = CONFIGS[arch]
     params = random_params(config, seed=3)
     tokens = list(np.random.default_rng(0).integers(0, config.vocab_size, size=24))
     expected = _full_logits(params, config, tokens)
-    cache = init_cache(config, CacheConfig(num_slots=3, max_len=64, layout=layout), make_mesh())
+    cache = init_cache(config, CacheConfig(num_slots=3, max_len=64, layout=layout, dtype=dtype), make_mesh())
+
+    def check(got, want):
+        if dtype == "float32":
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        else:  # int8 rounds each K/V entry to 1/254 of its (token, head) range
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2
+
     prompt = 9  # past Gemma's window of 7 by the end
     logits, cache = forward(
         params, config, jnp.asarray([tokens[:prompt]], jnp.int32), jnp.arange(prompt, dtype=jnp.int32)[None],
         cache, jnp.array([2], jnp.int32), attend_len=16,
     )  # fmt: skip
-    np.testing.assert_allclose(np.asarray(logits[0]), expected[:prompt], atol=1e-5, rtol=1e-5)
+    check(np.asarray(logits[0]), expected[:prompt])
     for t in range(prompt, len(tokens)):
         # slot 2 decodes; slots 0 and 1 are inactive (their writes land past the cache and are dropped)
         step_tokens = jnp.asarray([[5], [6], [tokens[t]]], jnp.int32)
@@ -89,7 +100,7 @@ def test_cached_decode_equals_full_recompute(arch, layout):
             params, config, step_tokens, positions, cache, jnp.arange(3, dtype=jnp.int32),
             attend_len=32, all_slots=True,
         )  # fmt: skip
-        np.testing.assert_allclose(np.asarray(logits[2, 0]), expected[t], atol=1e-5, rtol=1e-5)
+        check(np.asarray(logits[2, 0]), expected[t])
 
 
 def _greedy_reference(params, config, prompt: list[int], steps: int) -> list[int]:
@@ -126,6 +137,22 @@ def test_batched_greedy_equals_each_prompt_alone_and_full_recompute(llama_engine
     assert engine.compile_count == compiles, "a new prompt length inside the buckets recompiled"
     for prompt, result in zip(prompts[:2], batched[:2]):
         assert result.token_ids == _greedy_reference(params, LLAMA, prompt, 12)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_pallas_attention_path_gives_the_xla_tokens(arch):
+    config = dataclasses.replace(CONFIGS[arch], head_dim=64)  # the kernels take head dims 64/128/256
+    params = random_params(config, seed=2)
+    prompts = _prompts()[:3]  # incl. a chunked prompt (offsets > 0 in the flash kernel)
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = {}
+    for impl in ("xla", "pallas"):
+        kernels = KernelConfig(attention=impl, interpret=True)
+        engine = JaxEngine(
+            params, config, CacheConfig(num_slots=4, max_len=128), max_prefill_chunk=32, kernels=kernels
+        )
+        tokens[impl] = [r.token_ids for r in generate(engine, IdTokenizer(), prompts, [greedy] * 3)]
+    assert tokens["pallas"] == tokens["xla"]
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(llama_engine):

@@ -26,7 +26,8 @@ def _settings(n: int, **overrides) -> SlotSampling:
 def _draw(logits: np.ndarray, draws: int, **overrides) -> np.ndarray:
     """`draws` samples from one row of logits, one per seed."""
     s = _settings(draws, **overrides)
-    s = dataclasses.replace(s, seed=jnp.stack([jnp.zeros(draws, jnp.uint32), jnp.arange(draws, dtype=jnp.uint32)], 1))
+    seeds = jnp.stack([jnp.zeros(draws, jnp.uint32), jnp.arange(draws, dtype=jnp.uint32)], 1)
+    s = dataclasses.replace(s, seed=seeds)
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (draws, logits.shape[-1]))
     seen = jnp.zeros(rows.shape, bool)
     return np.asarray(jax.jit(sample)(rows, seen, s, jnp.zeros(draws, jnp.int32)))
@@ -83,7 +84,8 @@ def test_penalties_match_transformers_processors(logits):
     seen[0, seen_ids] = True
     s = _settings(1, repetition_penalty=1.3, presence_penalty=0.0)
     ours = np.asarray(apply_penalties(jnp.asarray(logits[None]), jnp.asarray(seen), s))
-    expected = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen_ids]), torch.tensor(logits[None])).numpy()
+    processor = RepetitionPenaltyLogitsProcessor(1.3)
+    expected = processor(torch.tensor([seen_ids]), torch.tensor(logits[None])).numpy()
     np.testing.assert_allclose(ours, expected, rtol=1e-6)
 
     s = _settings(1, presence_penalty=0.75)

@@ -25,14 +25,20 @@ def is_quantized(w) -> bool:
 
 
 def _dot_nt(x: jax.Array, w: jax.Array, out_type=None) -> jax.Array:
-    """x [..., in] . w [out, in] -> [..., out] without materialising w.T."""
+    """x [..., in] . w [out, in] -> [..., out], contracting the last dims directly."""
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_type)
 
 
 def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
-    """x: [..., in]; w: [out, in] float array or int8 dict -> [..., out] in x's dtype."""
+    """x: [..., in]; w: [out, in] float array or int8 dict -> [..., out] in x's dtype.
+
+    The spelling of each form matters on XLA:CPU (measured on a 20-layer SmolLM2-shaped MLP chain):
+    `x @ w.T` beats the equivalent last-dim dot_general 2x at one row; the int8 weight converted after
+    the transpose fuses into the matrix-vector product (~1.6x faster than float), while the same
+    conversion under dot_general runs ~50x slower; int8 x int8 dots are fastest as dot_general.
+    """
     if not is_quantized(w):
-        return _dot_nt(x, w.astype(x.dtype))
+        return x @ w.astype(x.dtype).T
     q, scale = w["q"], w["scale"]
     rows = math.prod(x.shape[:-1])
     if kernels.matmul == "pallas":
@@ -45,8 +51,8 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
         x_q = jnp.clip(jnp.round(x / x_scale), -127, 127).astype(jnp.int8)
         acc = _dot_nt(x_q, q, out_type=jnp.int32)
         return (acc.astype(jnp.float32) * x_scale * scale).astype(x.dtype)
-    # One row: XLA fuses the int8 -> float conversion into the matrix-vector product (memory bound).
-    return (_dot_nt(x, q.astype(x.dtype)) * scale.astype(x.dtype)).astype(x.dtype)
+    # Weight-only: XLA fuses the int8 -> float conversion into the product (memory bound at one row).
+    return ((x @ q.T.astype(x.dtype)) * scale.astype(x.dtype)).astype(x.dtype)
 
 
 def embed(table, tokens: jax.Array, dtype) -> jax.Array:

@@ -66,7 +66,7 @@ class Runtime:
             "architecture": c.arch,
             "context_length": cache.max_len,
             "vocab_size": c.vocab_size,
-            "slots": cache.num_slots,
+            "num_slots": cache.num_slots,
             "mesh": ",".join(f"{k}={v}" for k, v in self.engine.mesh.shape.items()),
             "dtype": default_dtype(self.options.dtype),
             "quantization": quantization_of(self.model.params),

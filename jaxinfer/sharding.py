@@ -5,47 +5,61 @@ Mesh axes:
   tensor - Megatron-style model parallelism: attention heads and MLP columns.
 
 Weights are [out, in] (see params.py): column-parallel layers split `out`, row-parallel layers split `in`.
-Multi-device work changes the rules below, never the model code.
+An int8 weight {"q": [out, in], "scale": [out]} follows its layer's rule (the scale takes the rule's
+leading entries). A weight whose dims do not divide over the mesh is replicated; a split is by shape
+only, so q/k/v rows may split inside a head (SmolLM2's 9 heads over tensor=4): XLA then inserts the
+gathers, the results stay exact and each device still holds 1/tensor of the weight. KV-cache heads that
+do not divide over `tensor` (Gemma 3's single KV head) are replicated.
+
+Multi-device work changes the rules below, never the model code. The same rules serve one host and
+several (a mesh over the devices of every process, see multihost.py).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA, TENSOR = "data", "tensor"
+REPLICATED = P()
 
-# Leaf name -> PartitionSpec of that weight. Unlisted leaves (norms) are replicated.
+# Weight name -> PartitionSpec of its [out, in] matrix. Unlisted weights (norms) are replicated.
 PARAM_RULES: dict[str, P] = {
-    "embed": P(TENSOR, None),  # vocab-parallel
+    "embed": P(TENSOR, None),  # vocab-parallel: [vocab, hidden]
     "lm_head": P(TENSOR, None),  # vocab-parallel logits
-    "q_proj": P(TENSOR, None),  # column-parallel
+    "q_proj": P(TENSOR, None),  # column-parallel: heads
     "k_proj": P(TENSOR, None),
     "v_proj": P(TENSOR, None),
-    "gate_proj": P(TENSOR, None),
+    "gate_proj": P(TENSOR, None),  # column-parallel: MLP columns
     "up_proj": P(TENSOR, None),
-    "o_proj": P(None, TENSOR),  # row-parallel
-    "down_proj": P(None, TENSOR),
+    "o_proj": P(None, TENSOR),  # row-parallel: one all-reduce after attention
+    "down_proj": P(None, TENSOR),  # row-parallel: one all-reduce after the MLP
 }
-REPLICATED = P()
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, tensor) mesh; `shape` like {"data": 2, "tensor": 4}. Default: one device."""
+    """A (data, tensor) mesh; `shape` like {"data": 2, "tensor": 4}. Default: one device.
+
+    Devices fill the grid row by row in `jax.devices()` order (process by process), so a tensor group
+    stays inside one host whenever `tensor` divides the devices per host.
+    """
     shape = dict(shape or {DATA: 1, TENSOR: 1})
     unknown = set(shape) - {DATA, TENSOR}
     if unknown:
         raise ValueError(f"unknown mesh axes {sorted(unknown)}; use {DATA!r} and {TENSOR!r}")
     dims = (shape.get(DATA, 1), shape.get(TENSOR, 1))
+    if min(dims) < 1:
+        raise ValueError(f"mesh sizes must be >= 1, got {shape=}")
     devices = list(devices if devices is not None else jax.devices())
     needed = dims[0] * dims[1]
     if needed > len(devices):
         raise ValueError(f"mesh {shape} needs {needed} devices, only {len(devices)} available")
     grid = np.array(devices[:needed]).reshape(dims)
-    # Auto axis types: let XLA propagate shardings through matmuls (Explicit would need out_sharding= everywhere).
+    # Auto axis types: XLA propagates shardings through matmuls (Explicit needs out_sharding= everywhere).
     return Mesh(grid, (DATA, TENSOR), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
@@ -61,20 +75,27 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def _fits(spec: P, shape: tuple[int, ...], mesh: Mesh) -> bool:
-    for axis, dim in zip(spec, shape):
-        if axis is not None and dim % mesh.shape[axis]:
-            return False
-    return True
+    return all(axis is None or dim % mesh.shape[axis] == 0 for axis, dim in zip(spec, shape))
+
+
+def _rule(key_path: tuple[str | int, ...]) -> P:
+    """The rule of the innermost named weight on the path: ("layers", 3, "q_proj", "scale") -> q_proj's."""
+    for key in reversed(key_path):
+        if isinstance(key, str) and key in PARAM_RULES:
+            return PARAM_RULES[key]
+    return REPLICATED
 
 
 def param_spec(key_path: tuple[str | int, ...], shape: tuple[int, ...], mesh: Mesh) -> P:
-    """The PartitionSpec of one weight; replicated when its dims do not divide over the mesh."""
-    spec = PARAM_RULES.get(str(key_path[-1]), REPLICATED)
+    """The PartitionSpec of one weight leaf; replicated when its dims do not divide over the mesh."""
+    spec = P(*tuple(_rule(key_path))[: len(shape)])
+    if all(axis is None for axis in spec):
+        return REPLICATED
     return spec if _fits(spec, shape, mesh) else REPLICATED
 
 
 def param_placement(mesh: Mesh):
-    """A loader `Placement`: (key_path, shape, dtype) -> NamedSharding."""
+    """A loader `Placement`: (key_path, shape, dtype) -> NamedSharding, so weights load into their shards."""
 
     def place(key_path: tuple[str | int, ...], shape: tuple[int, ...], dtype: str) -> NamedSharding:
         del dtype
@@ -83,14 +104,20 @@ def param_placement(mesh: Mesh):
     return place
 
 
+def _key_path(path) -> tuple[str | int, ...]:
+    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+
+
+def param_shardings(params, mesh: Mesh):
+    """The NamedSharding PARAM_RULES give every leaf of `params` (same tree structure)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: NamedSharding(mesh, param_spec(_key_path(path), leaf.shape, mesh)), params
+    )
+
+
 def shard_params(params, mesh: Mesh):
-    """Places an in-memory params pytree on the mesh following PARAM_RULES."""
-
-    def put(path, leaf):
-        key_path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
-        return jax.device_put(leaf, NamedSharding(mesh, param_spec(key_path, leaf.shape, mesh)))
-
-    return jax.tree_util.tree_map_with_path(put, params)
+    """Places a params pytree on the mesh following PARAM_RULES (a no-op for leaves already there)."""
+    return jax.tree.map(jax.device_put, params, param_shardings(params, mesh))
 
 
 def kv_cache_spec(layout: str, num_kv_heads: int, num_slots: int, mesh: Mesh) -> P:

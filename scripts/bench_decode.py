@@ -105,7 +105,8 @@ def bench_transformers(path, prompt: list[int], batches: list[int], steps: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)
@@ -119,14 +120,18 @@ def main() -> None:
     rows = []
     for name in args.models:
         ours = bench_ours(name, prompt, args.batches, args.steps)
-        ref = {} if args.no_transformers else bench_transformers(ours["path"], prompt, args.batches, args.steps)
+        ref = {}
+        if not args.no_transformers:
+            ref = bench_transformers(ours["path"], prompt, args.batches, args.steps)
         rows.append((name, f"prefill {args.prompt_len}", ours["prefill"], ref.get("prefill"), None))
         for b in args.batches:
             roofline = b * bandwidth * 1e9 / ours["step_bytes"][b]
             key = f"decode{b}"
             rows.append((name, f"decode batch {b}", ours[key], ref.get(key), ours[key] / roofline))
 
-    print(f"\n{'model':<24}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}{'ratio':>8}{'roofline':>10}")
+    header = f"{'model':<24}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}"
+    header += f"{'ratio':>8}{'roofline':>10}"
+    print("\n" + header)
     for name, metric, ours_tps, ref_tps, frac in rows:
         ref_text = f"{ref_tps:14.1f}" if ref_tps else f"{'-':>14}"
         ratio = f"{ours_tps / ref_tps:7.2f}x" if ref_tps else f"{'-':>8}"

@@ -1,0 +1,621 @@
+"""Load-test a running jaxinfer gRPC server: `jaxinfer bench-serving --target HOST:PORT --result-file R.json`.
+
+One run:
+  1. Requests come from a synthetic dataset (random token ids with input and output lengths drawn
+     from fixed / uniform / normal distributions) or from a ShareGPT-style file (the first human turn
+     is the prompt, the length of the gpt reply that follows is the output length). Prompts are sent
+     as `prompt_token_ids` and with `ignore_eos` (the default), so both lengths are exact.
+  2. A dispatcher thread sends them with Poisson arrivals at `request_rate` (inf: all at once),
+     waiting first for a free place when `max_concurrency` is set (a closed loop at that concurrency).
+     A few warm-up requests go first and are not counted.
+  3. Each request's stream is timed on the client: TTFT (send to first token), TPOT (the mean gap
+     after the first token: (e2e - ttft) / (tokens - 1)), inter-token latency (each gap between
+     token-bearing chunks, split evenly over the tokens of a chunk) and E2E latency.
+  4. The summary counts completed (finish "stop" or "length") and failed requests (an RPC error or
+     any other finish; completed + failed = sent), the throughputs over the run's duration (first
+     send to last response), and mean / p50 / p90 / p95 / p99 / max of each latency; with SLOs,
+     goodput is the rate of completed requests that met every SLO.
+Several rates (`sweep_rates`) give one run each; the result file holds them all, and `--plot` draws
+latency CDFs and, for a sweep, throughput and p99 latencies against the offered rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "BenchConfig",
+    "BenchRequest",
+    "LengthDistribution",
+    "RequestResult",
+    "add_bench_serving_args",
+    "format_table",
+    "main_from_args",
+    "plot_results",
+    "run_benchmark",
+    "run_load",
+    "sharegpt_requests",
+    "summarize",
+    "synthetic_requests",
+]
+
+PERCENTILES = (50, 90, 95, 99)
+_COMPLETED = ("stop", "length")
+
+
+# ---- datasets ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthDistribution:
+    """Token lengths: fixed (a), uniform integers in [a, b], or normal (mean a, std b); always >= 1."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ("fixed", "uniform", "normal"):
+            raise ValueError(f"kind={self.kind!r} must be fixed, uniform or normal")
+        if (self.kind != "normal" and self.a < 1) or self.a <= 0:
+            raise ValueError(f"{self.kind} length distribution needs a >= 1, got a={self.a}")
+        if self.kind == "uniform" and self.b < self.a:
+            raise ValueError(f"uniform needs low <= high, got a={self.a}, b={self.b}")
+        if self.kind == "normal" and self.b < 0:
+            raise ValueError(f"normal needs std >= 0, got b={self.b}")
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthDistribution:
+        """Parses "64" or "fixed:64", "uniform:32,128", "normal:64,16"."""
+        kind, _, values = spec.partition(":") if ":" in spec else ("fixed", "", spec)
+        try:
+            numbers = [float(v) for v in values.split(",")]
+        except ValueError:
+            raise ValueError(
+                f"bad length distribution {spec!r}; e.g. 64, uniform:32,128, normal:64,16"
+            ) from None
+        want = 1 if kind == "fixed" else 2
+        if len(numbers) != want:
+            raise ValueError(f"length distribution {spec!r}: {kind} takes {want} number(s)")
+        return cls(kind, *numbers)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """[n] int64 lengths >= 1."""
+        if self.kind == "fixed":
+            x = np.full(n, self.a)
+        elif self.kind == "uniform":
+            x = rng.integers(int(self.a), int(self.b) + 1, size=n)
+        else:
+            x = rng.normal(self.a, self.b, size=n)
+        return np.maximum(np.rint(x), 1).astype(np.int64)
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"fixed:{self.a:g}"
+        return f"{self.kind}:{self.a:g},{self.b:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+
+
+def synthetic_requests(
+    num_requests: int,
+    input_len: LengthDistribution,
+    output_len: LengthDistribution,
+    *,
+    vocab_size: int,
+    context_length: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Random token-id prompts; lengths are clipped so prompt + output fits the context."""
+    if num_requests <= 0 or vocab_size <= 0 or context_length < 2:
+        raise ValueError(f"{num_requests=}, {vocab_size=} must be > 0 and {context_length=} >= 2")
+    rng = np.random.default_rng(seed)
+    inputs = np.minimum(input_len.sample(rng, num_requests), context_length - 1)
+    outputs = np.minimum(output_len.sample(rng, num_requests), context_length - inputs)
+    return [
+        BenchRequest(tuple(int(t) for t in rng.integers(0, vocab_size, size=int(n_in))), int(n_out))
+        for n_in, n_out in zip(inputs, outputs)
+    ]
+
+
+def _load_conversations(path: str | os.PathLike[str]) -> list:
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # JSONL
+        data = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a JSON list or JSONL of {{conversations: [...]}} objects")
+    return data
+
+
+def sharegpt_requests(
+    path: str | os.PathLike[str],
+    tokenize: Callable[..., list[int]],
+    *,
+    num_requests: int,
+    context_length: int,
+    seed: int = 0,
+    max_output_len: int | None = None,
+) -> list[BenchRequest]:
+    """Prompts from a ShareGPT-style file: `conversations: [{from: human|gpt, value}, ...]` per entry.
+
+    Entries are shuffled with `seed`; each gives its first human turn as the prompt and the token count
+    of the gpt turn after it as max_tokens (capped by max_output_len). `tokenize(text, add_bos=...)` is
+    e.g. InferenceClient.tokenize: the prompt gets the model's default BOS (add_bos=None), the reply none.
+    Pairs that do not fit the context are skipped. Raises ValueError if the file yields no usable pair.
+    """
+    entries = _load_conversations(path)
+    random.Random(seed).shuffle(entries)
+    requests: list[BenchRequest] = []
+    for entry in entries:
+        if len(requests) >= num_requests:
+            break
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not isinstance(turns, list):
+            continue
+        pair = next(
+            (
+                (turns[i].get("value"), turns[i + 1].get("value"))
+                for i in range(len(turns) - 1)
+                if isinstance(turns[i], dict) and isinstance(turns[i + 1], dict)
+                and turns[i].get("from") == "human" and turns[i + 1].get("from") == "gpt"
+            ),
+            None,
+        )  # fmt: skip
+        if pair is None or not all(isinstance(v, str) and v for v in pair):
+            continue
+        prompt_ids = tokenize(pair[0], add_bos=None)
+        n_out = len(tokenize(pair[1], add_bos=False))
+        if max_output_len is not None:
+            n_out = min(n_out, max_output_len)
+        if not prompt_ids or n_out < 1 or len(prompt_ids) + n_out > context_length:
+            continue
+        requests.append(BenchRequest(tuple(prompt_ids), n_out))
+    if not requests:
+        raise ValueError(f"{path}: no human/gpt pair fits the context length {context_length}")
+    return requests
+
+
+# ---- load generation -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RequestResult:
+    prompt_tokens: int
+    output_tokens: int = 0
+    send_s: float = 0.0  # from the run's start
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None  # gRPC status code name, or the finish reason of a failed stream
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.finish_reason in _COMPLETED
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.output_tokens < 2 or self.ttft_s is None or self.e2e_s is None:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+
+def _send(client, request: BenchRequest, *, sampling: dict, ignore_eos: bool, timeout_s, t0: float):
+    import grpc
+
+    result = RequestResult(prompt_tokens=len(request.prompt_token_ids))
+    start = time.perf_counter()
+    result.send_s = start - t0
+    last = None
+    try:
+        stream = client.generate(
+            list(request.prompt_token_ids), max_tokens=request.max_tokens, ignore_eos=ignore_eos,
+            timeout_s=timeout_s, **sampling,
+        )  # fmt: skip
+        for chunk in stream:
+            now = time.perf_counter()
+            n = len(chunk.token_ids)
+            if n:
+                if last is None:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.extend([(now - last) / n] * n)
+                last = now
+                result.output_tokens += n
+            if chunk.finish_reason is not None:
+                result.finish_reason = chunk.finish_reason
+        result.e2e_s = time.perf_counter() - start
+        if result.finish_reason not in _COMPLETED:
+            result.error = f"finish_{result.finish_reason}"
+    except grpc.RpcError as e:
+        result.error = e.code().name
+        result.e2e_s = time.perf_counter() - start
+    return result
+
+
+def run_load(
+    client,
+    requests: Sequence[BenchRequest],
+    *,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    sampling: dict | None = None,
+    ignore_eos: bool = True,
+    timeout_s: float | None = None,
+    duration_s: float | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Sends `requests` through `client` (an InferenceClient); returns (results of the sent ones, seconds
+    from the first send to the last response). duration_s stops sending new requests after that long."""
+    if not request_rate > 0:
+        raise ValueError(f"{request_rate=} must be > 0 (inf: all at once)")
+    if max_concurrency is not None and max_concurrency <= 0:
+        raise ValueError(f"{max_concurrency=} must be > 0")
+    sampling = sampling or {}
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / request_rate, size=len(requests)) if math.isfinite(request_rate) else None
+    places = threading.Semaphore(max_concurrency) if max_concurrency else None
+    # Every request in flight holds a thread for its stream.
+    pool = futures.ThreadPoolExecutor(max_workers=max_concurrency or max(1, min(len(requests), 1024)))
+    submitted: list[futures.Future] = []
+
+    def work(request: BenchRequest, t0: float) -> RequestResult:
+        try:
+            return _send(
+                client, request, sampling=sampling, ignore_eos=ignore_eos, timeout_s=timeout_s, t0=t0
+            )
+        finally:
+            if places is not None:
+                places.release()
+
+    t0 = time.perf_counter()
+    arrival = 0.0
+    try:
+        for i, request in enumerate(requests):
+            if gaps is not None:
+                arrival += gaps[i]
+                delay = t0 + arrival - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+                break
+            if places is not None:
+                places.acquire()
+            submitted.append(pool.submit(work, request, t0))
+        results = [f.result() for f in submitted]
+    finally:
+        pool.shutdown(wait=True)
+    if not results:
+        return [], 0.0
+    first = min(r.send_s for r in results)
+    end = max(r.send_s + (r.e2e_s or 0.0) for r in results)
+    return results, end - first
+
+
+# ---- statistics ----------------------------------------------------------------------------------------
+
+
+def _stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    keys = ["mean", *(f"p{p}" for p in PERCENTILES), "max"]
+    if len(values_s) == 0:
+        return dict.fromkeys(keys)
+    x = np.asarray(values_s, np.float64) * 1e3
+    return dict(zip(keys, [float(x.mean()), *map(float, np.percentile(x, PERCENTILES)), float(x.max())]))
+
+
+def summarize(
+    results: Sequence[RequestResult],
+    duration_s: float,
+    *,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict:
+    """Counts, throughputs (over duration_s) and latency statistics in ms; see the module docstring."""
+    done = [r for r in results if r.ok]
+    seconds = max(duration_s, 1e-9)
+    n_in = sum(r.prompt_tokens for r in done)
+    n_out = sum(r.output_tokens for r in done)
+    summary = {
+        "sent": len(results),
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "errors": dict(Counter(r.error or "unknown" for r in results if not r.ok)),
+        "duration_s": duration_s,
+        "total_input_tokens": n_in,
+        "total_output_tokens": n_out,
+        "request_throughput": len(done) / seconds,
+        "input_throughput": n_in / seconds,
+        "output_throughput": n_out / seconds,
+        "total_token_throughput": (n_in + n_out) / seconds,
+        "ttft_ms": _stats_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+        "tpot_ms": _stats_ms([r.tpot_s for r in done if r.tpot_s is not None]),
+        "itl_ms": _stats_ms([g for r in done for g in r.itl_s]),
+        "e2e_ms": _stats_ms([r.e2e_s for r in done]),
+        "goodput": None,
+    }
+    if slo_ttft_ms is not None or slo_tpot_ms is not None:
+
+        def good(r: RequestResult) -> bool:
+            ttft_ok = slo_ttft_ms is None or (r.ttft_s is not None and r.ttft_s * 1e3 <= slo_ttft_ms)
+            tpot_ok = slo_tpot_ms is None or r.tpot_s is None or r.tpot_s * 1e3 <= slo_tpot_ms
+            return ttft_ok and tpot_ok
+
+        num_good = sum(good(r) for r in done)
+        summary["goodput"] = {
+            "slo_ttft_ms": slo_ttft_ms,
+            "slo_tpot_ms": slo_tpot_ms,
+            "good_requests": num_good,
+            "requests_per_s": num_good / seconds,
+        }
+    return summary
+
+
+# ---- the benchmark -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    target: str = "127.0.0.1:50051"
+    dataset: str = "synthetic"  # or "sharegpt"
+    dataset_path: str | None = None
+    num_prompts: int = 100
+    input_len: LengthDistribution = LengthDistribution("fixed", 128)
+    output_len: LengthDistribution = LengthDistribution("fixed", 64)
+    max_output_len: int | None = None  # ShareGPT cap
+    request_rates: tuple[float, ...] = (math.inf,)
+    max_concurrency: int | None = None
+    duration_s: float | None = None  # per rate: stop sending after this long
+    warmup_requests: int = 4
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    seed: int = 0
+    timeout_s: float | None = None
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self):
+        if self.dataset not in ("synthetic", "sharegpt"):
+            raise ValueError(f"dataset={self.dataset!r} must be synthetic or sharegpt")
+        if self.dataset == "sharegpt" and not self.dataset_path:
+            raise ValueError("dataset='sharegpt' needs dataset_path")
+        if self.num_prompts <= 0 or self.warmup_requests < 0:
+            raise ValueError(f"{self.num_prompts=} must be > 0 and {self.warmup_requests=} >= 0")
+        if not self.request_rates or any(not r > 0 for r in self.request_rates):
+            raise ValueError(f"request_rates={self.request_rates} must be non-empty and > 0")
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["input_len"], d["output_len"] = str(self.input_len), str(self.output_len)
+        d["request_rates"] = [_rate_json(r) for r in self.request_rates]
+        return d
+
+
+def _rate_json(rate: float) -> float | str:
+    return rate if math.isfinite(rate) else "inf"
+
+
+def _connect(config: BenchConfig):
+    import grpc
+
+    from jaxinfer.client import InferenceClient
+
+    client = InferenceClient(config.target)
+    try:
+        grpc.channel_ready_future(client._channel).result(timeout=config.connect_timeout_s)
+        info = client.model_info()
+    except (grpc.FutureTimeoutError, grpc.RpcError) as e:
+        client.close()
+        raise ValueError(f"no jaxinfer server answers at {config.target} ({type(e).__name__})") from None
+    return client, info
+
+
+def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] | None = None) -> dict:
+    """Warm-up, then one load run per rate; returns the result document (see the module docstring)."""
+    log = log or (lambda message: None)
+    client, info = _connect(config)
+    try:
+        context = int(info.get("context_length") or 0)
+        total = config.num_prompts + config.warmup_requests
+        if config.dataset == "synthetic":
+            requests = synthetic_requests(
+                total, config.input_len, config.output_len,
+                vocab_size=int(info["vocab_size"]), context_length=context, seed=config.seed,
+            )  # fmt: skip
+        else:
+            requests = sharegpt_requests(
+                config.dataset_path, client.tokenize,
+                num_requests=total, context_length=context, seed=config.seed,
+                max_output_len=config.max_output_len,
+            )  # fmt: skip
+        warmup, measured = requests[: config.warmup_requests], requests[config.warmup_requests :]
+        if not measured:
+            raise ValueError(f"the dataset gave {len(requests)} requests, all used for warm-up")
+        load = dict(
+            max_concurrency=config.max_concurrency, sampling={"temperature": config.temperature},
+            ignore_eos=config.ignore_eos, timeout_s=config.timeout_s,
+        )  # fmt: skip
+        if warmup:
+            log(f"warm-up: {len(warmup)} requests")
+            run_load(client, warmup, seed=config.seed, **load)
+        runs = []
+        for rate in config.request_rates:
+            log(f"rate {_rate_json(rate)} req/s: {len(measured)} requests")
+            results, duration = run_load(
+                client, measured, request_rate=rate, seed=config.seed, duration_s=config.duration_s, **load
+            )
+            summary = summarize(
+                results, duration, slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms
+            )
+            per_request = [dataclasses.asdict(r) | {"tpot_s": r.tpot_s, "ok": r.ok} for r in results]
+            for r in per_request:
+                r.pop("itl_s")  # kept in the itl_ms summary; per token it would dominate the file
+            runs.append(
+                {"request_rate": _rate_json(rate), "max_concurrency": config.max_concurrency}
+                | summary | {"requests": per_request}
+            )  # fmt: skip
+    finally:
+        client.close()
+    return {
+        "benchmark": "jaxinfer bench-serving",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "server": info,
+        "config": config.to_json(),
+        "runs": runs,
+    }
+
+
+def format_table(result: dict) -> str:
+    """A Markdown table, one row per run."""
+    head = (
+        "| rate (req/s) | completed / failed | duration (s) | req/s | output tok/s | TTFT p50 / p99 (ms) "
+        "| TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p99 (ms) |"
+    )
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def pair(stats: dict) -> str:
+        return " / ".join("-" if stats[k] is None else f"{stats[k]:.0f}" for k in ("p50", "p99"))
+
+    for run in result["runs"]:
+        rows.append(
+            f"| {run['request_rate']} | {run['completed']} / {run['failed']} | {run['duration_s']:.1f} "
+            f"| {run['request_throughput']:.2f} | {run['output_throughput']:.1f} | {pair(run['ttft_ms'])} "
+            f"| {pair(run['tpot_ms'])} | {pair(run['itl_ms'])} | {pair(run['e2e_ms'])} |"
+        )
+    return "\n".join(rows)
+
+
+# ---- plots ---------------------------------------------------------------------------------------------
+
+
+def plot_results(result: dict, prefix: str | os.PathLike[str]) -> list[Path]:
+    """PNG plots: PREFIX_latency_cdf.png, and for two or more finite rates PREFIX_sweep.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    prefix = Path(prefix)
+    written = []
+    metrics = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "E2E latency"))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 4))
+    for ax, (key, title) in zip(axes, metrics):
+        for run in result["runs"]:
+            x = np.sort([r[key] * 1e3 for r in run["requests"] if r["ok"] and r[key] is not None])
+            if len(x):
+                ax.step(
+                    x, np.arange(1, len(x) + 1) / len(x), where="post", label=f"{run['request_rate']} req/s"
+                )
+        ax.set(title=title, xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+    axes[0].legend(title="offered rate")
+    fig.tight_layout()
+    written.append(prefix.with_name(prefix.name + "_latency_cdf.png"))
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    runs = [run for run in result["runs"] if run["request_rate"] != "inf"]
+    if len(runs) >= 2:
+        rates = [run["request_rate"] for run in runs]
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        left.plot(rates, [run["output_throughput"] for run in runs], "o-", label="output tok/s")
+        left.set(xlabel="offered rate (req/s)", ylabel="output tokens/s", title="Throughput")
+        twin = left.twinx()
+        twin.plot(
+            rates, [run["request_throughput"] for run in runs], "s--", color="tab:orange", label="req/s"
+        )
+        twin.set_ylabel("completed requests/s")
+        left.legend(loc="upper left")
+        twin.legend(loc="lower right")
+        for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("e2e_ms", "E2E")):
+            right.plot(rates, [run[key]["p99"] for run in runs], "o-", label=f"p99 {label}")
+        right.set(xlabel="offered rate (req/s)", ylabel="ms", title="p99 latency", yscale="log")
+        right.legend()
+        for ax in (left, right):
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        written.append(prefix.with_name(prefix.name + "_sweep.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+# ---- command line --------------------------------------------------------------------------------------
+
+
+def add_bench_serving_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="host:port of a running jaxinfer server")
+    p.add_argument("--result-file", default="bench_serving.json", help="where the JSON result goes")
+    p.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic")
+    p.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON/JSONL (--dataset sharegpt)")
+    p.add_argument("--num-prompts", type=int, default=100, help="measured requests per rate")
+    p.add_argument("--input-len", default="fixed:128", help="e.g. 128, uniform:32,256, normal:128,32")
+    p.add_argument("--output-len", default="fixed:64", help="like --input-len")
+    p.add_argument("--max-output-len", type=int, default=None, help="cap on ShareGPT output lengths")
+    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (inf: at once)")
+    p.add_argument("--sweep-rates", default=None, help="comma-separated rates, one run each, e.g. 0.5,1,2")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--duration", type=float, default=None, help="per rate: stop sending after S seconds")
+    p.add_argument("--warmup-requests", type=int, default=4, help="sent first, not counted")
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
+    p.add_argument("--slo-ttft-ms", type=float, default=None)
+    p.add_argument("--slo-tpot-ms", type=float, default=None)
+    p.add_argument("--plot", action="store_true", help="also write PNG plots beside the result file")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    if args.sweep_rates:
+        try:
+            rates = tuple(float(r) for r in args.sweep_rates.split(","))
+        except ValueError:
+            raise ValueError(f"--sweep-rates={args.sweep_rates!r} must be comma-separated numbers") from None
+    else:
+        rates = (args.request_rate,)
+    return BenchConfig(
+        target=args.target, dataset=args.dataset, dataset_path=args.dataset_path,
+        num_prompts=args.num_prompts, input_len=LengthDistribution.parse(args.input_len),
+        output_len=LengthDistribution.parse(args.output_len), max_output_len=args.max_output_len,
+        request_rates=rates, max_concurrency=args.max_concurrency, duration_s=args.duration,
+        warmup_requests=args.warmup_requests, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        seed=args.seed, timeout_s=args.timeout, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+    )  # fmt: skip
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    """Runs the benchmark from parsed arguments, prints the table, writes the result (and plots)."""
+    import sys
+
+    config = config_from_args(args)
+    result = run_benchmark(config, log=lambda message: print(message, file=sys.stderr, flush=True))
+    path = Path(args.result_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(result))
+    print(f"wrote {path}", file=sys.stderr)
+    if args.plot:
+        for png in plot_results(result, path.with_suffix("")):
+            print(f"wrote {png}", file=sys.stderr)
+    return 0 if all(run["completed"] for run in result["runs"]) else 1

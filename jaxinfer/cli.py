@@ -7,6 +7,7 @@ line on stderr and exit with status 2; no traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -168,29 +169,41 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxinfer import multihost
     from jaxinfer.orchestrator import Orchestrator
     from jaxinfer.runtime import build_runtime
     from jaxinfer.service import serve_forever
 
     log = logging.getLogger("jaxinfer.serve")
-    runtime = build_runtime(_runtime_options(args))
-    seconds = runtime.engine.warmup()
-    log.warning(
-        "warm-up compiled %d programs in %.1fs (load %.1fs); nothing compiles while serving",
-        runtime.engine.compile_count, seconds, runtime.load_seconds,
-    )  # fmt: skip
-    orchestrator = Orchestrator(runtime.engine, runtime.tokenizer, max_queue=args.max_queue)
-    info = runtime.model_info() | {"mesh": dict(runtime.engine.mesh.shape)}
-    return serve_forever(
-        orchestrator, runtime.tokenizer, info,
-        host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace,
-    )  # fmt: skip
+    cluster = None
+    if args.coordinator:
+        # Before anything touches a device: every process must join the cluster first.
+        cluster = multihost.initialize(args.coordinator, args.num_processes, args.process_id)
+    options = _runtime_options(args)
+    if cluster is not None and options.mesh is None:
+        options = dataclasses.replace(options, mesh=multihost.default_mesh_shape())
+    runtime = build_runtime(options)
 
+    def lead(engine) -> int:
+        seconds = engine.warmup()
+        log.warning(
+            "warm-up compiled %d programs in %.1fs (load %.1fs); nothing compiles while serving",
+            runtime.engine.compile_count, seconds, runtime.load_seconds,
+        )  # fmt: skip
+        orchestrator = Orchestrator(engine, runtime.tokenizer, max_queue=args.max_queue)
+        info = runtime.model_info() | {"mesh": dict(runtime.engine.mesh.shape)}
+        return serve_forever(
+            orchestrator, runtime.tokenizer, info,
+            host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace,
+        )  # fmt: skip
 
-def cmd_client(args: argparse.Namespace) -> int:
-    from jaxinfer.client import client_main
-
-    return client_main(args.client_args)
+    if cluster is None:
+        return lead(runtime.engine)
+    try:
+        # Process 0 serves and broadcasts every engine call; the others replay them in lockstep.
+        return multihost.run(cluster, runtime.engine, lead) or 0
+    finally:
+        multihost.shutdown()
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
@@ -244,11 +257,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
     sv.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
     sv.add_argument("--grace", type=float, default=10.0, help="seconds to finish streams on SIGTERM")
+    sv.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 for multi-host serving")
+    sv.add_argument("--num-processes", type=int, default=None, help="processes in the cluster")
+    sv.add_argument("--process-id", type=int, default=None, help="this process's rank (0 serves gRPC)")
     sv.set_defaults(func=cmd_serve)
 
-    cl = sub.add_parser("client", help="stream a completion from a server", add_help=False)
-    cl.add_argument("client_args", nargs=argparse.REMAINDER)
-    cl.set_defaults(func=cmd_client)
+    # Listed for --help; main() hands `client ...` to jaxinfer.client.client_main before parsing.
+    sub.add_parser("client", help="stream a completion from a server (jaxinfer client --help)")
 
     bt = sub.add_parser("batch", help="offline generation from a JSONL file into a JSONL file (resumable)")
     _add_runtime_args(bt, slots=8)
@@ -277,6 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["client"]:
+        # The client has its own parser; argparse's REMAINDER would stop at its first --option.
+        from jaxinfer.client import client_main
+
+        return client_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

@@ -299,6 +299,12 @@ class JaxEngine(api.Engine):
             log.debug("compiled %s in %.2fs", key, time.perf_counter() - start)
         return program
 
+    def _prefill_attend_len(self, start: int, t: int) -> int:
+        """A chunk at the start of a prompt attends over its own bucket; a later chunk over the whole
+        slot. Two programs per chunk bucket instead of one per (chunk, context) pair; the extra keys a
+        later chunk reads cost little next to its matmuls."""
+        return self._bucket(self._attend_buckets, t) if start == 0 else self.max_seq_len
+
     def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
         for b in buckets:
             if b >= n:
@@ -331,8 +337,7 @@ class JaxEngine(api.Engine):
                 f"at most {MAX_STOP_IDS} stop token ids (incl. eos), got {len(s.stop_token_ids)}"
             )
         t = self._bucket(self._prefill_buckets, n)
-        # Attend over every key the chunk can see, and never fewer positions than the chunk's bucket.
-        a = self._bucket(self._attend_buckets, min(max(chunk.start + n, t), self.max_seq_len))
+        a = self._prefill_attend_len(chunk.start, t)
         tokens = np.zeros((1, t), np.int32)
         tokens[0, :n] = chunk.token_ids
         args = (
@@ -372,9 +377,7 @@ class JaxEngine(api.Engine):
         start = time.perf_counter()
         dummy = SamplingParams()
         for t in self._prefill_buckets:
-            for a in self._attend_buckets:
-                if a < t:
-                    continue
+            for a in {self._prefill_attend_len(0, t), self._prefill_attend_len(1, t)}:
                 # The programs are looked up by bucket, so lower with bucket-shaped dummies.
                 args = (
                     self.params, self.state, np.zeros((1, t), np.int32), np.zeros(4, np.int32),

@@ -191,7 +191,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             runtime.engine.compile_count, seconds, runtime.load_seconds,
         )  # fmt: skip
         orchestrator = Orchestrator(engine, runtime.tokenizer, max_queue=args.max_queue)
-        info = runtime.model_info() | {"mesh": dict(runtime.engine.mesh.shape)}
+        info = runtime.model_info()
         return serve_forever(
             orchestrator, runtime.tokenizer, info,
             host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace,

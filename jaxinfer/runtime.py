@@ -67,7 +67,7 @@ class Runtime:
             "context_length": cache.max_len,
             "vocab_size": c.vocab_size,
             "num_slots": cache.num_slots,
-            "mesh": ",".join(f"{k}={v}" for k, v in self.engine.mesh.shape.items()),
+            "mesh": dict(self.engine.mesh.shape),
             "dtype": default_dtype(self.options.dtype),
             "quantization": quantization_of(self.model.params),
         }

@@ -39,8 +39,9 @@ def param_bytes(params) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
 
-def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int) -> dict:
-    runtime = build_runtime(RuntimeOptions(model=name, num_slots=max(batches), max_len=512))
+def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int, quantize: str) -> dict:
+    options = RuntimeOptions(model=name, num_slots=max(batches), max_len=512, quantize=quantize)
+    runtime = build_runtime(options)
     engine, config = runtime.engine, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
 
@@ -111,15 +112,16 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--quantize", default="none", choices=["none", "int8"])
     parser.add_argument("--no-transformers", action="store_true")
     args = parser.parse_args()
 
     bandwidth = measure_bandwidth_gbs()
-    print(f"backend {jax.default_backend()}, measured read bandwidth {bandwidth:.1f} GB/s")
+    print(f"backend {jax.default_backend()}, weights {args.quantize}, read bandwidth {bandwidth:.1f} GB/s")
     prompt = list(np.random.default_rng(0).integers(100, 5000, size=args.prompt_len))
     rows = []
     for name in args.models:
-        ours = bench_ours(name, prompt, args.batches, args.steps)
+        ours = bench_ours(name, prompt, args.batches, args.steps, args.quantize)
         ref = {}
         if not args.no_transformers:
             ref = bench_transformers(ours["path"], prompt, args.batches, args.steps)

@@ -93,3 +93,24 @@ def real_runtime():
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A tiny random Llama over SmolLM2's real vocabulary, with its tokenizer saved beside it."""
+    import torch
+    import transformers
+
+    from jaxinfer.registry import resolve_model
+    from jaxinfer.tokenizer import Tokenizer
+
+    directory = tmp_path_factory.mktemp("tiny-real-vocab")
+    tok = Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct")[1])
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tok.save(directory)
+    return directory

@@ -11,8 +11,6 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 from jaxinfer.batch import parse_input, read_done_ids, run_batch
 from jaxinfer.cli import main
 from jaxinfer.request import SamplingParams
@@ -21,27 +19,6 @@ from jaxinfer.testing import FakeTokenizer, MockEngine
 NO_CACHE = ["--compilation-cache", ""]
 SMALL_ENGINE = ["--slots", "3", "--max-len", "64", "--max-prefill-chunk", "16"]
 QUIET = ["--no-warmup", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory):
-    """A tiny random Llama over SmolLM2's real vocabulary, with its tokenizer saved beside it."""
-    import torch
-    import transformers
-
-    from jaxinfer.registry import resolve_model
-    from jaxinfer.tokenizer import Tokenizer
-
-    directory = tmp_path_factory.mktemp("tiny-batch")
-    tok = Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct")[1])
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    tok.save(directory)
-    return directory
 
 
 def _write_jsonl(path, rows) -> None:

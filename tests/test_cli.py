@@ -67,27 +67,6 @@ def test_models_lists_the_embedded_models(capsys):
     assert "smollm2-135m-instruct (default)" in out and "gemma3-270m" in out
 
 
-@pytest.fixture(scope="module")
-def tiny_with_tokenizer(tmp_path_factory):
-    """A tiny random Llama over SmolLM2's real vocabulary, with its tokenizer saved beside it."""
-    import torch
-    import transformers
-
-    from jaxinfer.registry import resolve_model
-    from jaxinfer.tokenizer import Tokenizer
-
-    directory = tmp_path_factory.mktemp("tiny-cli")
-    tok = Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct")[1])
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    tok.save(directory)
-    return directory
-
-
 def test_generate_json_and_convert_round_trip(capsys, tmp_path, tiny_with_tokenizer):
     greedy = ["--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", "json", *NO_CACHE]
     code, out, err = _run(capsys, "generate", "--model", str(tiny_with_tokenizer), *greedy, "Hello", "1 2 3")

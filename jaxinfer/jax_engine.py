@@ -30,7 +30,7 @@ from jaxinfer.model import forward
 from jaxinfer.params import Params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sampling import SlotSampling, sample, split_seed
-from jaxinfer.sharding import make_mesh, shard_params, slot_spec
+from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
 
 log = logging.getLogger(__name__)
 
@@ -123,31 +123,49 @@ def _prefill_step(
 
 
 def _decode_step(
-    params: Params, state: DecodeState, *, config: ModelConfig, attend_len: int, kernels: KernelConfig
+    params: Params,
+    state: DecodeState,
+    *,
+    config: ModelConfig,
+    attend_len: int,
+    kernels: KernelConfig,
+    num_rows: int,
 ) -> tuple[DecodeState, jax.Array]:
-    num_slots = state.tokens.shape[0]
-    slots = jnp.arange(num_slots, dtype=jnp.int32)
-    positions = jnp.where(state.active, state.lengths, state.cache.max_len)[:, None]
+    """One token for each of the first `num_rows` slots (every active slot lies below it: the scheduler
+    fills the lowest free slot first). A decode step costs every row it computes, so at low load a
+    smaller row bucket is several times faster on CPU."""
+    n, num_slots = num_rows, state.tokens.shape[0]
+    slots = jnp.arange(n, dtype=jnp.int32)
+    active = state.active[:n]
+    positions = jnp.where(active, state.lengths[:n], state.cache.max_len)[:, None]
     logits, cache = forward(
-        params, config, state.tokens[:, None], positions, state.cache, slots,
-        attend_len=attend_len, all_slots=True, logits_index=jnp.zeros(num_slots, jnp.int32), kernels=kernels,
+        params, config, state.tokens[:n, None], positions, state.cache, slots,
+        attend_len=attend_len, all_slots=True, logits_index=jnp.zeros(n, jnp.int32), kernels=kernels,
     )  # fmt: skip
-    token = sample(logits, state.seen, state.sampling, state.generated)
-    generated = state.generated + 1
-    lengths = state.lengths + 1
+    sampling = jax.tree.map(lambda a: a[:n], state.sampling)
+    seen = state.seen[:n]
+    token = sample(logits, seen, sampling, state.generated[:n])
+    generated = state.generated[:n] + 1
+    lengths = state.lengths[:n] + 1
     done, reason = _finish(state, slots, token, generated, lengths)
-    done &= state.active
-    active = state.active
+    done &= active
+
+    def put(field: jax.Array, rows: jax.Array) -> jax.Array:
+        return field.at[:n].set(rows)
+
     state = dataclasses.replace(
         state,
         cache=cache,
-        tokens=jnp.where(active, token, state.tokens),
-        lengths=jnp.where(active, lengths, state.lengths),
-        generated=jnp.where(active, generated, state.generated),
-        active=active & ~done,
-        seen=state.seen.at[slots, token].set(state.seen[slots, token] | active),
+        tokens=put(state.tokens, jnp.where(active, token, state.tokens[:n])),
+        lengths=put(state.lengths, jnp.where(active, lengths, state.lengths[:n])),
+        generated=put(state.generated, jnp.where(active, generated, state.generated[:n])),
+        active=put(state.active, active & ~done),
+        seen=put(state.seen, seen.at[slots, token].set(seen[slots, token] | active)),
     )
-    return state, _pack(token, active, done, reason)
+    packed = _pack(token, active, done, reason)
+    if n < num_slots:
+        packed = jnp.concatenate([packed, jnp.zeros((num_slots - n, 4), jnp.int32)])
+    return state, packed
 
 
 def _release_step(state: DecodeState, slot: jax.Array) -> DecodeState:
@@ -214,6 +232,11 @@ class JaxEngine(api.Engine):
             min(min_prefill_bucket, max_len), min(max_prefill_chunk, max_len)
         )
         self._attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_len), max_len)
+        # Decode computes a prefix of the slots. The Pallas kernel reads the whole cache, and a slot split
+        # over `data` would reshard a prefix, so those always compute every slot.
+        slots = cache_config.num_slots
+        prefix_ok = self.kernels.attention == "xla" and self.mesh.shape[DATA] == 1
+        self._row_buckets = power_of_two_buckets(1, slots) if prefix_ok else (slots,)
         self.state = self._init_state()
         self._programs: dict[tuple, object] = {}
         self.compile_count = 0
@@ -286,8 +309,9 @@ class JaxEngine(api.Engine):
                 )
             elif kind == "decode":
                 fn = functools.partial(
-                    _decode_step, config=self.config, attend_len=key[1], kernels=self.kernels
-                )
+                    _decode_step, config=self.config, attend_len=key[1], kernels=self.kernels,
+                    num_rows=key[2],
+                )  # fmt: skip
             else:
                 fn, out_shardings = _release_step, out_shardings[0]
             jitted = jax.jit(
@@ -358,8 +382,10 @@ class JaxEngine(api.Engine):
     def decode(self) -> api.PendingStep:
         longest = int(self._host_len[self._host_active].max(initial=0))
         a = self._bucket(self._attend_buckets, min(longest + 1, self.max_seq_len))
+        active = np.flatnonzero(self._host_active)
+        rows = self._bucket(self._row_buckets, int(active[-1]) + 1 if active.size else 1)
         args = (self.params, self.state)
-        self.state, packed = self._program(("decode", a), args)(*args)
+        self.state, packed = self._program(("decode", a, rows), args)(*args)
         self._host_len[self._host_active] += 1
         return _Pending([packed], self._on_result)
 
@@ -385,7 +411,8 @@ class JaxEngine(api.Engine):
                 )  # fmt: skip
                 self._program(("prefill", t, a), args)
         for a in self._attend_buckets:
-            self._program(("decode", a), (self.params, self.state))
+            for rows in self._row_buckets:
+                self._program(("decode", a, rows), (self.params, self.state))
         self._program(("release",), (self.state, np.int32(0)))
         self._warm = True
         return time.perf_counter() - start

@@ -72,14 +72,16 @@ class KVCache:
             v_scale=put(self.v_scale, v_s),
         )  # fmt: skip
 
-    def read(self, layer: int, slots: jax.Array | None, length: int) -> tuple[jax.Array, jax.Array]:
+    def read(
+        self, layer: int, slots: jax.Array | int, length: int
+    ) -> tuple[jax.Array, jax.Array]:
         """The first `length` positions of one layer as [batch, kv_heads, length, head_dim] (dequantised).
 
-        slots=None reads every slot with a static slice (the decode case); otherwise gathers those slots.
+        slots: an int n reads slots [0, n) with a static slice (the decode case); an array gathers those.
         """
 
         def get(cache: jax.Array) -> jax.Array:
-            rows = cache[layer] if slots is None else cache[layer][slots]
+            rows = cache[layer, :slots] if isinstance(slots, int) else cache[layer][slots]
             if self.layout == "bhsd":
                 return rows[:, :, :length]
             return rows[:, :length].swapaxes(1, 2)

@@ -86,7 +86,7 @@ def _layer(
     rope: tuple[jax.Array, jax.Array],
     cache: KVCache,
     slots: jax.Array,
-    read_slots: jax.Array | None,
+    read_slots: jax.Array | int,
     attend_len: int,
     kernels: KernelConfig,
 ) -> tuple[jax.Array, KVCache]:
@@ -95,9 +95,15 @@ def _layer(
     sliding = c.layer_types[index] == "sliding_attention"
 
     h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-    q = linear(h, p["q_proj"], kernels).reshape(b, t, c.num_heads, c.head_dim)
-    k = linear(h, p["k_proj"], kernels).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = linear(h, p["v_proj"], kernels).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if "qkv_proj" in p:  # fused at load (params.fuse_projections)
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = linear(h, p["qkv_proj"], kernels)
+        q, k, v = qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
+    else:
+        q, k, v = (linear(h, p[name], kernels) for name in ("q_proj", "k_proj", "v_proj"))
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     if c.qk_norm:
         q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
@@ -106,7 +112,8 @@ def _layer(
 
     cache = cache.write(index, slots, write_positions, k, v)
     window = c.sliding_window if sliding else None
-    if kernels.attention == "pallas" and read_slots is None and t == 1:
+    every_slot = isinstance(read_slots, int) and read_slots == cache.num_slots
+    if kernels.attention == "pallas" and every_slot and t == 1:
         lengths = jnp.where(write_positions[:, 0] < cache.max_len, positions[:, 0] + 1, 0)
         attn = decode_attention_pallas(
             q, cache.k, cache.v, lengths, layer=index, attend_len=attend_len, scale=c.attn_scale,
@@ -131,7 +138,11 @@ def _layer(
     x = x + attn
 
     h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-    h = _activation(c, linear(h, p["gate_proj"], kernels)) * linear(h, p["up_proj"], kernels)
+    if "gate_up_proj" in p:
+        gate, up = jnp.split(linear(h, p["gate_up_proj"], kernels), 2, axis=-1)
+    else:
+        gate, up = linear(h, p["gate_proj"], kernels), linear(h, p["up_proj"], kernels)
+    h = _activation(c, gate) * up
     h = linear(h, p["down_proj"], kernels)
     if c.sandwich_norms:
         h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps)
@@ -154,7 +165,8 @@ def forward(
     """Runs the model over new tokens and returns (logits, cache).
 
     logits: [b, t, vocab] float32, or [b, vocab] when `logits_index` is given.
-    `all_slots` says that `slots` is arange(num_slots) (decode), so cache reads are static slices.
+    `all_slots` says that `slots` is arange(b), a prefix of the cache's slots (decode), so cache reads
+    are static slices.
     """
     c = config
     dtype = params["final_norm"].dtype
@@ -168,7 +180,7 @@ def forward(
     local_rope = global_rope
     if "sliding_attention" in c.layer_types:
         local_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_local_theta, RopeScaling()))
-    read_slots = None if all_slots else slots
+    read_slots = tokens.shape[0] if all_slots else slots
 
     for i, layer_params in enumerate(params["layers"]):
         rope = local_rope if c.layer_types[i] == "sliding_attention" else global_rope

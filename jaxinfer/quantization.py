@@ -17,6 +17,7 @@ from pallas_kernels import quantize_int8
 
 QUANTIZED_LEAVES = frozenset(
     {"embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    | {"qkv_proj", "gate_up_proj"}  # fused forms (params.fuse_projections)
 )
 QUANTIZATION_MODES = ("none", "int8")
 
@@ -56,4 +57,4 @@ def weight_bytes(params: Params) -> int:
 
 
 def quantization_of(params: Params) -> str:
-    return "int8" if is_quantized(params["layers"][0]["q_proj"]) else "none"
+    return "int8" if any(is_quantized(w) for w in params["layers"][0].values()) else "none"

@@ -18,9 +18,10 @@ from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.loading import LoadedModel, load_gguf, load_model
 from jaxinfer.loading.gguf_loader import open_gguf
+from jaxinfer.params import fuse_projections
 from jaxinfer.quantization import quantization_of, quantize_params
 from jaxinfer.registry import DEFAULT_MODEL, resolve_model
-from jaxinfer.sharding import make_mesh, param_placement
+from jaxinfer.sharding import TENSOR, make_mesh, param_placement
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         tokenizer = load_tokenizer(loaded)
     if options.quantize != "none":
         loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, options.quantize))
+    if mesh.shape[TENSOR] == 1:
+        loaded = dataclasses.replace(loaded, params=fuse_projections(loaded.params))
     context = loaded.config.max_position_embeddings
     max_len = options.max_len or min(context, 2048)
     if max_len > context:

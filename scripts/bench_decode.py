@@ -1,6 +1,7 @@
 """Prefill and decode speed of the embedded models, next to transformers measured in the same run.
 
     .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m] [--batches 1 8]
+        [--prompt-len 512] [--quantize int8] [--llama-bench /path/to/llama-bench]
 
 Prints tokens/s for prefill (one prompt) and decode (batch 1 and 8, aggregate), the ratio to transformers
 (float32, CPU, KV cache on), and the fraction of the memory-bandwidth roofline decode reaches: every step
@@ -10,14 +11,19 @@ must read all weights once plus the KV cache it attends over, and the bandwidth 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.config import CacheConfig
 from jaxinfer.engine import PrefillChunk
+from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.request import SamplingParams
 from jaxinfer.runtime import RuntimeOptions, build_runtime
 
@@ -40,24 +46,28 @@ def param_bytes(params) -> int:
 
 
 def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int, quantize: str) -> dict:
-    options = RuntimeOptions(model=name, num_slots=max(batches), max_len=512, quantize=quantize)
-    runtime = build_runtime(options)
-    engine, config = runtime.engine, runtime.config
+    """Each batch size runs on an engine with exactly that many slots (a decode step computes every slot)."""
+    runtime = build_runtime(RuntimeOptions(model=name, num_slots=1, max_len=512, quantize=quantize))
+    params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-
-    def prefill(slot: int) -> None:
-        engine.prefill([PrefillChunk(slot, prompt, 0, greedy, True, prompt)]).result()
-
-    prefill(0)  # compile
-    times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        prefill(0)
-        times.append(time.perf_counter() - start)
-    result = {"prefill": len(prompt) / statistics.median(times)}
+    result: dict = {"path": runtime.model.path, "step_bytes": {}}
     for batch in batches:
-        for slot in range(engine.num_slots):
-            engine.release(slot)
+        engine = JaxEngine(
+            params, config, CacheConfig(num_slots=batch, max_len=512), mesh=runtime.engine.mesh,
+            kernels=runtime.engine.kernels,
+        )  # fmt: skip
+
+        def prefill(slot: int, engine: JaxEngine = engine) -> None:
+            engine.prefill([PrefillChunk(slot, prompt, 0, greedy, True, prompt)]).result()
+
+        if batch == batches[0]:
+            prefill(0)  # compile
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                prefill(0)
+                times.append(time.perf_counter() - start)
+            result["prefill"] = len(prompt) / statistics.median(times)
         for slot in range(batch):
             prefill(slot)
         engine.decode().result()  # compile this attend bucket
@@ -69,10 +79,9 @@ def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int, qua
             pending = following
         pending.result()
         result[f"decode{batch}"] = batch * steps / (time.perf_counter() - start)
-    attend = len(prompt) + steps  # the bucket covers at least this many positions
-    kv_bytes_per_slot = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend * 4
-    result["step_bytes"] = {b: param_bytes(runtime.model.params) + b * kv_bytes_per_slot for b in batches}
-    result["path"] = runtime.model.path
+        attend = engine._bucket(engine._attend_buckets, len(prompt) + steps)
+        kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend * 4
+        result["step_bytes"][batch] = param_bytes(params) + batch * kv_bytes
     return result
 
 
@@ -105,6 +114,30 @@ def bench_transformers(path, prompt: list[int], batches: list[int], steps: int) 
     return result
 
 
+def transformers_in_subprocess(path, prompt: list[int], batches: list[int], steps: int) -> dict:
+    """Runs bench_transformers in a fresh process: XLA's CPU thread pool in this one would compete."""
+    code = (
+        "import json, sys, pathlib; sys.path.insert(0, 'scripts'); import bench_decode as b; "
+        f"print(json.dumps(b.bench_transformers(pathlib.Path({str(path)!r}), {prompt!r}, {batches!r}, "
+        f"{steps})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def bench_llama_cpp(binary: str, path, prompt_len: int, steps: int) -> dict:
+    """llama.cpp's own llama-bench on the same GGUF file, 2 threads: prefill and batch-1 decode tok/s."""
+    cmd = [binary, "-m", str(path), "-p", str(prompt_len), "-n", str(steps), "-t", "2", "-o", "json"]
+    rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    result = {}
+    for row in rows:
+        if row.get("n_prompt", 0) > 0 and row.get("n_gen", 0) == 0:
+            result["prefill"] = row["avg_ts"]
+        elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
+            result["decode1"] = row["avg_ts"]
+    return result
+
+
 def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
@@ -114,31 +147,47 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--quantize", default="none", choices=["none", "int8"])
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--llama-bench", default=None, help="path to llama.cpp's llama-bench binary")
     args = parser.parse_args()
 
     bandwidth = measure_bandwidth_gbs()
     print(f"backend {jax.default_backend()}, weights {args.quantize}, read bandwidth {bandwidth:.1f} GB/s")
-    prompt = list(np.random.default_rng(0).integers(100, 5000, size=args.prompt_len))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 5000, size=args.prompt_len)]
     rows = []
     for name in args.models:
         ours = bench_ours(name, prompt, args.batches, args.steps, args.quantize)
         ref = {}
         if not args.no_transformers:
-            ref = bench_transformers(ours["path"], prompt, args.batches, args.steps)
-        rows.append((name, f"prefill {args.prompt_len}", ours["prefill"], ref.get("prefill"), None))
+            ref = transformers_in_subprocess(ours["path"], prompt, args.batches, args.steps)
+        lcpp = {}
+        if args.llama_bench:
+            lcpp = bench_llama_cpp(args.llama_bench, ours["path"], args.prompt_len, args.steps)
+        rows.append(
+            (
+                name,
+                f"prefill {args.prompt_len}",
+                ours["prefill"],
+                ref.get("prefill"),
+                lcpp.get("prefill"),
+                None,
+            )
+        )
         for b in args.batches:
             roofline = b * bandwidth * 1e9 / ours["step_bytes"][b]
             key = f"decode{b}"
-            rows.append((name, f"decode batch {b}", ours[key], ref.get(key), ours[key] / roofline))
+            rows.append(
+                (name, f"decode batch {b}", ours[key], ref.get(key), lcpp.get(key), ours[key] / roofline)
+            )
 
-    header = f"{'model':<24}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}"
-    header += f"{'ratio':>8}{'roofline':>10}"
+    header = f"{'model':<24}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}{'ratio':>8}"
+    header += f"{'llama.cpp':>11}{'ratio':>8}{'roofline':>10}"
     print("\n" + header)
-    for name, metric, ours_tps, ref_tps, frac in rows:
-        ref_text = f"{ref_tps:14.1f}" if ref_tps else f"{'-':>14}"
-        ratio = f"{ours_tps / ref_tps:7.2f}x" if ref_tps else f"{'-':>8}"
-        frac_text = f"{frac:9.0%}" if frac is not None else f"{'-':>10}"
-        print(f"{name:<24}{metric:<18}{ours_tps:16.1f}{ref_text}{ratio}{frac_text}")
+    for name, metric, ours_tps, ref_tps, lcpp_tps, frac in rows:
+        line = f"{name:<24}{metric:<18}{ours_tps:16.1f}"
+        for other, width in ((ref_tps, 14), (lcpp_tps, 11)):
+            line += f"{other:{width}.1f}{ours_tps / other:7.2f}x" if other else f"{'-':>{width}}{'-':>8}"
+        line += f"{frac:9.0%}" if frac is not None else f"{'-':>10}"
+        print(line)
 
 
 if __name__ == "__main__":

@@ -223,8 +223,9 @@ def test_engine_greedy_tokens_match_one_device(arch, mesh_name):
     before = engine.state.cache.k
     engine.decode().result()
     assert before.is_deleted(), "the decode step did not consume (donate) the sharded cache"
-    hlo = engine._programs[("decode", 64)].as_text()
-    assert "input_output_alias" in hlo
+    for key, program in engine._programs.items():
+        if key[0] == "decode":
+            assert "input_output_alias" in program.as_text()
     _assert_declared_shardings(engine)
     assert engine.compile_count == compiles, "serving on a mesh compiled a program after warm-up"
 

@@ -156,15 +156,20 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.loading import load_model, save_checkpoint
+    from jaxinfer.quantization import quantize_params, weight_bytes
     from jaxinfer.runtime import load_tokenizer
 
     loaded = load_model(args.model, dtype=args.dtype or "float32")
     out = os.path.abspath(args.output)
-    save_checkpoint(
-        out, loaded.config, loaded.params, extra={"source": str(loaded.path), "kind": loaded.kind}
-    )
+    before = weight_bytes(loaded.params)
+    params = quantize_params(loaded.params, args.quantize)
+    extra = {"source": str(loaded.path), "kind": loaded.kind}
+    save_checkpoint(out, loaded.config, params, extra=extra)
     load_tokenizer(loaded).save(os.path.join(out, "tokenizer"))
-    print(f"wrote {loaded.config.arch} checkpoint ({loaded.config.num_layers} layers) to {out}")
+    print(
+        f"wrote {loaded.config.arch} checkpoint ({loaded.config.num_layers} layers, weights "
+        f"{args.quantize}: {before / 2**20:.1f} MiB -> {weight_bytes(params) / 2**20:.1f} MiB) to {out}"
+    )
     return 0
 
 
@@ -286,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="write a model as an orbax checkpoint folder")
     c.add_argument("--model", default=DEFAULT_MODEL)
     c.add_argument("--dtype", default=None)
+    c.add_argument("--quantize", default="none", choices=["none", "int8"], help="store int8 weights")
     c.add_argument("output")
     c.set_defaults(func=cmd_convert)
     return parser

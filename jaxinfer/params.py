@@ -92,17 +92,22 @@ def random_params(config: ModelConfig, seed: int = 0, dtype: str = "float32") ->
     return params
 
 
+def _shape(leaf) -> tuple[int, ...]:
+    """A leaf's logical [out, in] shape; int8 leaves are {"q", "scale"} dicts (quantization.py)."""
+    return tuple(leaf["q"].shape if isinstance(leaf, dict) else leaf.shape)
+
+
 def check_params(config: ModelConfig, params: Params) -> None:
     """Raises ValueError when a leaf is missing, extra or of the wrong shape."""
     expected = top_shapes(config)
-    got = {k: tuple(v.shape) for k, v in params.items() if k != "layers"}
+    got = {k: _shape(v) for k, v in params.items() if k != "layers"}
     if got != expected:
         raise ValueError(f"top-level params {got} do not match the config's {expected}")
     if len(params["layers"]) != config.num_layers:
         raise ValueError(f"{len(params['layers'])=} but {config.num_layers=}")
     expected = layer_shapes(config)
     for i, layer in enumerate(params["layers"]):
-        got = {k: tuple(v.shape) for k, v in layer.items()}
+        got = {k: _shape(v) for k, v in layer.items()}
         if got != expected:
             raise ValueError(f"layer {i} params {got} do not match the config's {expected}")
 

@@ -19,7 +19,7 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.loading import LoadedModel, load_gguf, load_model
 from jaxinfer.loading.gguf_loader import open_gguf
 from jaxinfer.params import fuse_projections
-from jaxinfer.quantization import quantization_of, quantize_params
+from jaxinfer.quantization import quantization_of, quantize_params, weight_bytes
 from jaxinfer.registry import DEFAULT_MODEL, resolve_model
 from jaxinfer.sharding import TENSOR, make_mesh, param_placement
 from jaxinfer.tokenizer import Tokenizer
@@ -115,8 +115,11 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     else:
         loaded = load_model(path, dtype=dtype, placement=placement)
         tokenizer = load_tokenizer(loaded)
-    if options.quantize != "none":
+    if options.quantize != "none" and quantization_of(loaded.params) == "none":
+        before = weight_bytes(loaded.params)
         loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, options.quantize))
+        log.info("%s weights: %.1f MiB -> %.1f MiB", options.quantize, before / 2**20,
+                 weight_bytes(loaded.params) / 2**20)  # fmt: skip
     if mesh.shape[TENSOR] == 1:
         loaded = dataclasses.replace(loaded, params=fuse_projections(loaded.params))
     context = loaded.config.max_position_embeddings

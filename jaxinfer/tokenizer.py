@@ -80,10 +80,9 @@ class GGUFVocab:
             path = Path(path)
             if not path.is_file():
                 raise ValueError(f"{path=} is not a file")
-            try:
-                reader = gguf.GGUFReader(path)
-            except (ValueError, OSError) as e:
-                raise ValueError(f"{path} is not a readable GGUF file: {e}") from e
+            from jaxinfer.loading.gguf_loader import open_gguf  # the fast reader, one parse for both
+
+            reader = open_gguf(path)
         fields = reader.fields
         if "tokenizer.ggml.model" not in fields or "tokenizer.ggml.tokens" not in fields:
             raise ValueError(f"{path} lacks tokenizer metadata (tokenizer.ggml.model, tokenizer.ggml.tokens)")

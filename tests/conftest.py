@@ -79,6 +79,36 @@ def tiny_hf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def real_gguf():
+    """name -> (path, reader, hf_config, hf_model): an embedded GGUF file parsed once, and the float32
+    model transformers builds from it (the numerics oracle), shared by every test of the session."""
+    made: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in made:
+            import gguf
+            import torch
+            import transformers
+
+            from jaxinfer.loading.gguf_loader import open_gguf
+            from jaxinfer.registry import resolve_model
+
+            path = resolve_model(name)[1]
+            reader = open_gguf(path)
+            # transformers builds its own GGUFReader inside its loader; hand it the parsed one.
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: reader)
+                hf_config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+                hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+                    path.parent, gguf_file=path.name, config=hf_config, dtype=torch.float32
+                ).eval()
+            made[name] = (path, reader, hf_config, hf_model)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def real_runtime():
     """name -> jaxinfer Runtime on an embedded GGUF model (loaded once per session)."""
     from jaxinfer.runtime import RuntimeOptions, build_runtime

@@ -93,3 +93,21 @@ def test_prompt_longer_than_context(capsys, tiny_with_tokenizer):
         capsys, "generate", "--model", str(tiny_with_tokenizer), "--max-len", "32", *NO_CACHE, "word " * 40
     )
     _assert_one_line_error(code, err, "exceeds the context length")
+
+
+def test_int8_convert_round_trip(capsys, tmp_path, tiny_with_tokenizer):
+    greedy = ["--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", "json", *NO_CACHE]
+    code, out, err = _run(
+        capsys, "generate", "--model", str(tiny_with_tokenizer), "--quantize", "int8", *greedy, "Hi"
+    )
+    assert code == 0, err
+    expected = json.loads(out)["token_ids"]
+    out_dir = tmp_path / "orbax-int8"
+    code, out, err = _run(
+        capsys, "convert", "--model", str(tiny_with_tokenizer), "--quantize", "int8", str(out_dir)
+    )
+    assert code == 0, err
+    assert "weights int8" in out
+    code, out, err = _run(capsys, "generate", "--model", str(out_dir), *greedy, "Hi")
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == expected

@@ -6,16 +6,14 @@
   bfloat16): our params equal the torch state dict.
 * config.json in both generations of the format; orbax round trips; corrupt and missing files.
 
-Reading a GGUF header is slow (transformers and we both parse every token string; ~10 s for Gemma 3),
-so each real file is opened once and the same gguf.GGUFReader serves us and transformers.
+Each real file is parsed once per session (conftest.real_gguf) and the same reader serves us and
+transformers.
 """
 
-import contextlib
 import gc
 import json
 import re
 
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,7 +36,7 @@ from jaxinfer.loading import (
     save_checkpoint,
 )
 from jaxinfer.params import check_params, random_params
-from jaxinfer.registry import ModelNotFoundError, resolve_model
+from jaxinfer.registry import ModelNotFoundError
 
 # Hugging Face parameter names -> our leaf names (jaxinfer/params.py), written out independently of the
 # loaders. Gemma's post_attention_layernorm is the sandwich norm; Llama's is the pre-MLP norm.
@@ -98,39 +96,21 @@ def _assert_params_match_state_dict(config: ModelConfig, params, state_dict, *, 
     assert covered == {id(leaf) for leaf in jax.tree.leaves(params)}
 
 
-@contextlib.contextmanager
-def _transformers_reads_with(reader: gguf.GGUFReader):
-    """transformers imports gguf.GGUFReader inside its loader; hand it the reader we already have."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", lambda *args, **kwargs: reader)
-        yield
-
-
-def _real_gguf(name: str):
-    path = resolve_model(name)[1]
-    reader = gguf.GGUFReader(path)
-    ours = load_gguf(reader)
-    with _transformers_reads_with(reader):
-        hf_config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, config=hf_config, dtype=torch.float32
-        )
-    return path, reader, ours, hf_config, hf_model
-
-
 @pytest.fixture(scope="module")
-def smollm():
-    path, reader, ours, hf_config, hf_model = _real_gguf("smollm2-135m-instruct")
+def smollm(real_gguf):
+    path, reader, hf_config, hf_model = real_gguf("smollm2-135m-instruct")
+    ours = load_gguf(reader)
     yield path, reader, ours, hf_config, hf_model
-    del ours, hf_model
+    del ours
     gc.collect()
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    path, reader, ours, hf_config, hf_model = _real_gguf("gemma3-270m")
+def gemma(real_gguf):
+    path, reader, hf_config, hf_model = real_gguf("gemma3-270m")
+    ours = load_gguf(reader)
     yield path, reader, ours, hf_config, hf_model
-    del ours, hf_model
+    del ours
     gc.collect()
 
 

@@ -61,9 +61,7 @@ REAL_PROMPTS = {
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
-def test_real_gguf_matches_transformers(real_runtime, name):
-    import transformers
-
+def test_real_gguf_matches_transformers(real_runtime, real_gguf, name):
     runtime = real_runtime(name)
     tok = runtime.tokenizer
     prompts = [tok.encode(REAL_PROMPTS[name])]
@@ -74,10 +72,7 @@ def test_real_gguf_matches_transformers(real_runtime, name):
         )
         prompts.append(tok.encode(long_text + " In summary, the rivers"))
         assert len(prompts[-1]) > 600
-    path = runtime.model.path
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    reference = real_gguf(name)[3]
     steps = 32
     greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True)
     ours = generate(runtime.engine, tok, prompts, [greedy] * len(prompts))
@@ -87,4 +82,3 @@ def test_real_gguf_matches_transformers(real_runtime, name):
         assert result.token_ids == expected
         got = _full_logits(runtime.model, np.array([prompt]), attend_len=1024, last_only=True)[0]
         assert np.abs(got - first_logits).max() < 1e-2
-    del reference

@@ -58,6 +58,24 @@ _MISSING = object()
 _DEQUANT_CHUNK_ELEMENTS = 1 << 22  # 16 MB of float32 per dequantise call
 
 
+class FastGGUFReader(gguf.GGUFReader):
+    """GGUFReader over a plain ndarray view of the mapped file: the same bytes, without numpy.memmap's
+    bookkeeping on every slice, which is ~90% of parsing a large vocabulary (SmolLM2: 4.3 s -> 0.5 s)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        super().__init__(path)
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        # The view keeps the memory map alive as its base.
+        self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+
 def open_gguf(path_or_reader: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
     """A GGUFReader for a path (or the reader itself); unreadable files raise ModelLoadError."""
     if isinstance(path_or_reader, gguf.GGUFReader):
@@ -68,9 +86,13 @@ def open_gguf(path_or_reader: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
     try:
-        return gguf.GGUFReader(path)
+        return FastGGUFReader(path)
     except Exception as e:  # the reader fails in many ways on bad bytes (struct, numpy, enum, unicode)
         raise ModelLoadError(f"{path} is not a readable GGUF file: {_first_line(e)}") from e
+
+
+def _reader_path(reader: gguf.GGUFReader) -> Path:
+    return reader.path if isinstance(reader, FastGGUFReader) else Path(reader.data.filename)
 
 
 def config_from_gguf(path_or_reader: str | Path | gguf.GGUFReader) -> ModelConfig:
@@ -156,7 +178,7 @@ def load_gguf(
         if key_path is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no place in the {config.arch} params")
         builder.put(key_path, _host_tensor(tensor, key_path, config), source=tensor.name, owned=True)
-    return LoadedModel(config=config, params=builder.finish(), kind="gguf", path=Path(reader.data.filename))
+    return LoadedModel(config=config, params=builder.finish(), kind="gguf", path=_reader_path(reader))
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

@@ -31,6 +31,7 @@ from jaxinfer.loading.common import (
     expected_leaf_shapes,
 )
 from jaxinfer.params import Params, check_params
+from jaxinfer.quantization import QUANTIZED_LEAVES, quantization_of
 
 MODEL_FILE = "jaxinfer_model.json"
 PARAMS_DIR = "params"
@@ -75,8 +76,10 @@ def save_checkpoint(
     import orbax.checkpoint as ocp  # heavy import; only checkpoint users pay for it
 
     check_params(config, params)
-    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(params)}
-    if len(dtypes) != 1:
+    quantization = quantization_of(params)
+    # int8 leaves hold int8 values and float32 scales; the dtype recorded is that of the float leaves.
+    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(params) if leaf.dtype != np.int8}
+    if quantization == "none" and len(dtypes) != 1:
         raise ValueError(f"params mix dtypes {sorted(dtypes)}; save one dtype")
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"{type(extra)=} must be a dict or None")
@@ -91,7 +94,8 @@ def save_checkpoint(
         "format": FORMAT,
         "version": VERSION,
         "config": config_to_dict(config),
-        "dtype": dtypes.pop(),
+        "dtype": "float32" if quantization != "none" else dtypes.pop(),
+        "quantization": quantization,
         "extra": extra or {},
     }
     text = json.dumps(record, indent=2)  # fail on a non-JSON `extra` before writing anything
@@ -141,9 +145,20 @@ def load_checkpoint(
     dtype_name = str(record.get("dtype", "float32")) if dtype is None else dtype
     np_dtype = check_dtype(dtype_name) if dtype is not None else np.dtype(jax.numpy.dtype(dtype_name))
     placement = placement or default_placement()
+    quantized = record.get("quantization", "none") == "int8"
+
+    def target_for(key_path, shape, dtype, name):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=placement(key_path, shape, name))
+
     targets: Params = {"layers": [{} for _ in range(config.num_layers)]}
     for key_path, shape in expected_leaf_shapes(config).items():
-        target = jax.ShapeDtypeStruct(shape, np_dtype, sharding=placement(key_path, shape, dtype_name))
+        if quantized and key_path[-1] in QUANTIZED_LEAVES:
+            target = {
+                "q": target_for((*key_path, "q"), shape, np.int8, "int8"),
+                "scale": target_for((*key_path, "scale"), shape[:1], np.float32, "float32"),
+            }
+        else:
+            target = target_for(key_path, shape, np_dtype, dtype_name)
         if key_path[0] == "layers":
             targets["layers"][key_path[1]][key_path[2]] = target
         else:

@@ -72,9 +72,7 @@ class KVCache:
             v_scale=put(self.v_scale, v_s),
         )  # fmt: skip
 
-    def read(
-        self, layer: int, slots: jax.Array | int, length: int
-    ) -> tuple[jax.Array, jax.Array]:
+    def read(self, layer: int, slots: jax.Array | int, length: int) -> tuple[jax.Array, jax.Array]:
         """The first `length` positions of one layer as [batch, kv_heads, length, head_dim] (dequantised).
 
         slots: an int n reads slots [0, n) with a static slice (the decode case); an array gathers those.

@@ -1,6 +1,6 @@
 """Offline batch generation from JSONL: the same code as `jaxinfer batch` (see jaxinfer/batch.py).
 
-    python scripts/batch_generate.py INPUT.jsonl OUTPUT.jsonl [--model ...] [--strict] [sampling flags]
+python scripts/batch_generate.py INPUT.jsonl OUTPUT.jsonl [--model ...] [--strict] [sampling flags]
 """
 
 import sys

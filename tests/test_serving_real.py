@@ -62,8 +62,13 @@ def test_concurrent_clients_get_the_offline_results_and_no_slot_leaks(runtime):
             with InferenceClient(f"127.0.0.1:{server.port}", timeout_s=120) as client:
                 chunks = list(
                     client.generate(
-                        prompt, max_tokens=s.max_tokens, ignore_eos=True, temperature=s.temperature,
-                        top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                        prompt,
+                        max_tokens=s.max_tokens,
+                        ignore_eos=True,
+                        temperature=s.temperature,
+                        top_k=s.top_k,
+                        top_p=s.top_p,
+                        seed=s.seed,
                     )  # fmt: skip
                 )
             return [t for c in chunks for t in c.token_ids], chunks[-1]

@@ -39,7 +39,10 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument("--slots", type=int, default=slots, help="decode slots sharing the KV cache")
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prefill bucket")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
-    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="weight quantisation")
+    p.add_argument(
+        "--quantize", default="none", choices=["none", "int8", "auto"],
+        help="weight quantisation (int8 is the recommended CPU setting; auto picks it on CPU)",
+    )  # fmt: skip
     p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
 

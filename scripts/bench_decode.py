@@ -47,13 +47,14 @@ def param_bytes(params) -> int:
 
 def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int, quantize: str) -> dict:
     """Each batch size runs on an engine with exactly that many slots (a decode step computes every slot)."""
-    runtime = build_runtime(RuntimeOptions(model=name, num_slots=1, max_len=512, quantize=quantize))
+    max_len = 1 << (len(prompt) + steps - 1).bit_length()  # a power of two that holds the request
+    runtime = build_runtime(RuntimeOptions(model=name, num_slots=1, max_len=max_len, quantize=quantize))
     params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     result: dict = {"path": runtime.model.path, "step_bytes": {}}
     for batch in batches:
         engine = JaxEngine(
-            params, config, CacheConfig(num_slots=batch, max_len=512), mesh=runtime.engine.mesh,
+            params, config, CacheConfig(num_slots=batch, max_len=max_len), mesh=runtime.engine.mesh,
             kernels=runtime.engine.kernels,
         )  # fmt: skip
 

@@ -317,3 +317,29 @@ class FakeTokenizer:
 
     def save(self, directory) -> None:
         raise NotImplementedError("FakeTokenizer is not saved")
+
+
+class IdTokenizer:
+    """For real engines with random weights: every id detokenises to "<id>" (so a stop string can target a
+    known token) and there is no eos, so generation runs to max_tokens."""
+
+    eos_ids: tuple[int, ...] = ()
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def detokenizer(self) -> IdDetokenizer:
+        return IdDetokenizer()
+
+
+class IdDetokenizer:
+    def __init__(self):
+        self.text = ""
+
+    def add(self, token_id: int) -> str:
+        piece = f"<{token_id}>"
+        self.text += piece
+        return piece
+
+    def flush(self) -> str:
+        return ""

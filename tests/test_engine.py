@@ -18,6 +18,7 @@ from jaxinfer.model import XLA_KERNELS, forward
 from jaxinfer.params import random_params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
+from jaxinfer.testing import IdTokenizer
 
 LLAMA = ModelConfig(
     arch="llama", vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -31,29 +32,6 @@ GEMMA = ModelConfig(
     sandwich_norms=True, embed_scale=8.0,
 )  # fmt: skip
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
-
-
-class IdTokenizer:
-    """Every id detokenises to "<id>", so stop strings can target a known token."""
-
-    vocab_size = 101
-    eos_ids: tuple[int, ...] = ()
-
-    def detokenizer(self):
-        return _IdDetokenizer()
-
-
-class _IdDetokenizer:
-    def __init__(self):
-        self.text = ""
-
-    def add(self, token_id: int) -> str:
-        piece = f"<{token_id}>"
-        self.text += piece
-        return piece
-
-    def flush(self) -> str:
-        return ""
 
 
 def _full_logits(params, config, tokens: list[int], kernels: KernelConfig = XLA_KERNELS) -> np.ndarray:
@@ -125,7 +103,7 @@ def _prompts():
 
 def test_batched_greedy_equals_each_prompt_alone_and_full_recompute(llama_engine):
     engine, params = llama_engine
-    tok = IdTokenizer()
+    tok = IdTokenizer(LLAMA.vocab_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     prompts = _prompts()  # 5 prompts over 4 slots: the last one waits for a free slot
     batched = generate(engine, tok, prompts, [greedy] * len(prompts))
@@ -151,13 +129,14 @@ def test_pallas_attention_path_gives_the_xla_tokens(arch):
         engine = JaxEngine(
             params, config, CacheConfig(num_slots=4, max_len=128), max_prefill_chunk=32, kernels=kernels
         )
-        tokens[impl] = [r.token_ids for r in generate(engine, IdTokenizer(), prompts, [greedy] * 3)]
+        results = generate(engine, IdTokenizer(config.vocab_size), prompts, [greedy] * 3)
+        tokens[impl] = [r.token_ids for r in results]
     assert tokens["pallas"] == tokens["xla"]
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batching(llama_engine):
     engine, _ = llama_engine
-    tok = IdTokenizer()
+    tok = IdTokenizer(LLAMA.vocab_size)
     s = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, max_tokens=10, seed=1234, ignore_eos=True)
     prompts = _prompts()[:3]
     alone = generate(engine, tok, [prompts[0]], [s])[0].token_ids
@@ -170,7 +149,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_batching(llama_engin
 
 def test_stop_token_ids_and_max_tokens_on_device(llama_engine):
     engine, _ = llama_engine
-    tok = IdTokenizer()
+    tok = IdTokenizer(LLAMA.vocab_size)
     prompt = _prompts()[1]
     free = generate(engine, tok, [prompt], [SamplingParams(temperature=0.0, max_tokens=12)])[0]
     stop_id = free.token_ids[4]

@@ -36,29 +36,14 @@ def _prompts() -> list[list[int]]:
     return [[int(t) for t in rng.integers(0, VOCAB, size=n)] for n in (5, 30, 12, 9, 21, 3)]
 
 
-class IdTokenizer:
-    vocab_size = VOCAB
-    eos_ids: tuple[int, ...] = ()
-
-    def detokenizer(self):
-        return _IdDetokenizer()
-
-
-class _IdDetokenizer:
-    def add(self, token_id: int) -> str:
-        return f"<{token_id}>"
-
-    def flush(self) -> str:
-        return ""
-
-
 def _greedy_tokens(engine) -> list[list[int]]:
     from jaxinfer.generate import generate
     from jaxinfer.request import SamplingParams
+    from jaxinfer.testing import IdTokenizer
 
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = _prompts()
-    return [r.token_ids for r in generate(engine, IdTokenizer(), prompts, [greedy] * len(prompts))]
+    return [r.token_ids for r in generate(engine, IdTokenizer(VOCAB), prompts, [greedy] * len(prompts))]
 
 
 def _engine(mesh_text: str | None):
@@ -152,7 +137,7 @@ def test_followers_replay_every_call_of_process_0_in_order():
     from jaxinfer.engine import PrefillChunk
     from jaxinfer.generate import generate
     from jaxinfer.request import SamplingParams
-    from jaxinfer.testing import MockEngine
+    from jaxinfer.testing import IdTokenizer, MockEngine
 
     port = _free_port()
     clusters = [multihost.Cluster(i, 2, "127.0.0.1", port) for i in range(2)]
@@ -170,7 +155,7 @@ def test_followers_replay_every_call_of_process_0_in_order():
             SamplingParams(max_tokens=10, seed=i, stop=("<8>", "<9>") if i % 2 else (), stop_token_ids=(5,))
             for i in range(len(prompts))
         ]
-        results = generate(engine, IdTokenizer(), prompts, sampling)
+        results = generate(engine, IdTokenizer(VOCAB), prompts, sampling)
         with pytest.raises(ValueError):  # a slot out of range: refused here and on the follower
             engine.prefill([PrefillChunk(99, [1], 0, SamplingParams())])
     thread.join(timeout=20)

@@ -34,6 +34,7 @@ from jaxinfer.sharding import (
     parse_mesh,
     shard_params,
 )
+from jaxinfer.testing import IdTokenizer
 
 VOCAB = 128
 LLAMA = ModelConfig(
@@ -50,24 +51,6 @@ GEMMA = ModelConfig(
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
 MESHES = {"1x2": (1, 2), "1x4": (1, 4), "2x4": (2, 4)}  # data x tensor; 1x1 is the reference
 CACHE = CacheConfig(num_slots=4, max_len=64)
-
-
-class IdTokenizer:
-    """Every id detokenises to "<id>"; no eos, so generation runs to max_tokens."""
-
-    vocab_size = VOCAB
-    eos_ids: tuple[int, ...] = ()
-
-    def detokenizer(self):
-        return _IdDetokenizer()
-
-
-class _IdDetokenizer:
-    def add(self, token_id: int) -> str:
-        return f"<{token_id}>"
-
-    def flush(self) -> str:
-        return ""
 
 
 def _mesh(name: str):
@@ -183,7 +166,7 @@ def _engine(arch: str, mesh_name: str) -> JaxEngine:
 def _greedy(arch: str, mesh_name: str) -> tuple[tuple[int, ...], ...]:
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = _prompts()
-    results = generate(_engine(arch, mesh_name), IdTokenizer(), prompts, [greedy] * len(prompts))
+    results = generate(_engine(arch, mesh_name), IdTokenizer(VOCAB), prompts, [greedy] * len(prompts))
     return tuple(tuple(r.token_ids) for r in results)
 
 

@@ -119,7 +119,7 @@ def generate(
             device_stop = out.done[slot] and out.reason[slot] == FINISH_STOP
             piece = "" if device_stop else req.detok.add(token)  # the stop token's text is not output
             c.text += piece
-            stop_at = _find_stop(c.text, req.sampling.stop)
+            stop_at = _find_stop(c.text, req.sampling.stop, new_chars=len(piece))
             if stop_at is not None:
                 emit(req, piece[: max(0, len(piece) - (len(c.text) - stop_at))])
                 c.text = c.text[:stop_at]
@@ -165,6 +165,8 @@ def generate(
     return results
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: Sequence[str], new_chars: int) -> int | None:
+    """Where the first stop string starts, looking only where the newest `new_chars` could complete one
+    (the text before them was searched already)."""
+    hits = [i for i in (text.find(s, max(0, len(text) - new_chars - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig, ModelConfig, RopeScaling
 from jaxinfer.kernel_dispatch import (
+    attention_bias,
     attention_xla,
     decode_attention_pallas,
     embed,
@@ -84,6 +85,7 @@ def _layer(
     positions: jax.Array,  # [b, t], clamped into the cache
     write_positions: jax.Array,  # [b, t], >= max_len where the write must be dropped
     rope: tuple[jax.Array, jax.Array],
+    bias: jax.Array,  # [b, t, attend_len], this layer kind's attention mask as an additive bias
     cache: KVCache,
     slots: jax.Array,
     read_slots: jax.Array | int,
@@ -129,9 +131,8 @@ def _layer(
             )  # fmt: skip
         else:
             attn = attention_xla(
-                q, keys, values, positions, scale=c.attn_scale, sliding_window=window,
-                softcap=c.attn_logit_softcap,
-            )  # fmt: skip
+                q, keys, values, bias, scale=c.attn_scale, softcap=c.attn_logit_softcap
+            )
     attn = linear(attn.reshape(b, t, c.num_heads * c.head_dim), p["o_proj"], kernels)
     if c.sandwich_norms:
         attn = rms_norm(attn, p["post_attn_norm"], c.rms_norm_eps)
@@ -181,12 +182,18 @@ def forward(
     if "sliding_attention" in c.layer_types:
         local_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_local_theta, RopeScaling()))
     read_slots = tokens.shape[0] if all_slots else slots
+    global_bias = attention_bias(rope_pos, attend_len, None)
+    local_bias = global_bias
+    if "sliding_attention" in c.layer_types:
+        local_bias = attention_bias(rope_pos, attend_len, c.sliding_window)
 
     for i, layer_params in enumerate(params["layers"]):
-        rope = local_rope if c.layer_types[i] == "sliding_attention" else global_rope
+        local = c.layer_types[i] == "sliding_attention"
+        rope, bias = (local_rope, local_bias) if local else (global_rope, global_bias)
         x, cache = _layer(
-            c, i, layer_params, x, rope_pos, positions, rope, cache, slots, read_slots, attend_len, kernels
-        )
+            c, i, layer_params, x, rope_pos, positions, rope, bias, cache, slots, read_slots, attend_len,
+            kernels,
+        )  # fmt: skip
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [b, hidden]

@@ -39,9 +39,11 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument("--slots", type=int, default=slots, help="decode slots sharing the KV cache")
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prefill bucket")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
+    p.add_argument("--quantize", default="none", choices=["none", "int8"], help="weight quantisation")
     p.add_argument(
-        "--quantize", default="none", choices=["none", "int8", "auto"],
-        help="weight quantisation (int8 is the recommended CPU setting; auto picks it on CPU)",
+        "--int8-activations", default=None, action=argparse.BooleanOptionalAction,
+        help="with int8 weights, quantise activations at several rows too (default: on for CPU, the fast "
+        "form there; off is more accurate)",
     )  # fmt: skip
     p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
@@ -77,6 +79,7 @@ def _runtime_options(args: argparse.Namespace):
         max_prefill_chunk=args.max_prefill_chunk,
         mesh=parse_mesh(args.mesh) if args.mesh else None,
         quantize=args.quantize,
+        int8_activations=args.int8_activations,
         attention_impl=args.attention_impl,
         **kwargs,
     )
@@ -102,7 +105,7 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxinfer.generate import generate
+    from jaxinfer.generate import check_request, generate
     from jaxinfer.runtime import build_runtime
 
     sampling = _sampling(args)
@@ -127,6 +130,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         sys.stdout.flush()
 
+    for ids in prompts:
+        check_request(tok, runtime.engine, ids, sampling)  # before compiling anything for them
+    compile_s = runtime.engine.warmup([len(p) for p in prompts], sampling.max_tokens)
     start = time.perf_counter()
     results = generate(
         runtime.engine, tok, prompts, [sampling] * len(prompts), on_text=on_text if stream else None
@@ -144,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[{runtime.config.arch}: {len(r.prompt_token_ids)} prompt tokens, {len(r.token_ids)} generated "
             f"({r.finish_reason}); TTFT {r.ttft_s * 1e3:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s decode; "
-            f"load {runtime.load_seconds:.1f}s, wall {wall:.1f}s]",
+            f"load {runtime.load_seconds:.1f}s, compile {compile_s:.1f}s, generate {wall:.1f}s]",
             file=sys.stderr,
         )
     return 0

@@ -397,24 +397,45 @@ class JaxEngine(api.Engine):
     def _on_result(self, out: api.StepOutput) -> None:
         self._host_active[out.valid & out.done] = False
 
-    def warmup(self) -> float:
-        """Compiles prefill for every (chunk, attend) bucket pair a prompt can hit, decode for every attend
-        bucket, and release. Returns the seconds it took."""
+    def warmup(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int = 0) -> float:
+        """Compiles programs ahead of use and returns the seconds it took.
+
+        With no arguments, every program serving can hit: prefill for each chunk bucket (at a prompt's
+        start and later), decode for each (attend, rows) bucket, and release. With `prompt_lengths`
+        (one job of that many prompts), only the programs that job needs, so its timings are clean.
+        """
         start = time.perf_counter()
+        if prompt_lengths is None:
+            prefill = {
+                (t, self._prefill_attend_len(begin, t))
+                for t in self._prefill_buckets
+                for begin in (0, 1)
+            }
+            decode = {(a, rows) for a in self._attend_buckets for rows in self._row_buckets}
+        else:
+            chunk = self.max_prefill_chunk
+            prefill = set()
+            for n in prompt_lengths:
+                for begin in range(0, n, chunk):
+                    t = self._bucket(self._prefill_buckets, min(chunk, n - begin))
+                    prefill.add((t, self._prefill_attend_len(begin, t)))
+            longest = min(max(prompt_lengths) + max_new_tokens, self.max_seq_len)
+            attend = [a for a in self._attend_buckets if a >= min(prompt_lengths)]
+            attend = [a for a in attend if a <= self._bucket(self._attend_buckets, longest)]
+            most_rows = self._bucket(self._row_buckets, min(len(prompt_lengths), self.num_slots))
+            decode = {(a, rows) for a in attend for rows in self._row_buckets if rows <= most_rows}
         dummy = SamplingParams()
-        for t in self._prefill_buckets:
-            for a in {self._prefill_attend_len(0, t), self._prefill_attend_len(1, t)}:
-                # The programs are looked up by bucket, so lower with bucket-shaped dummies.
-                args = (
-                    self.params, self.state, np.zeros((1, t), np.int32), np.zeros(4, np.int32),
-                    _settings(dummy), np.ones(1, np.int32), _stop_row(()),
-                )  # fmt: skip
-                self._program(("prefill", t, a), args)
-        for a in self._attend_buckets:
-            for rows in self._row_buckets:
-                self._program(("decode", a, rows), (self.params, self.state))
+        for t, a in sorted(prefill):
+            # The programs are looked up by bucket, so lower with bucket-shaped dummies.
+            args = (
+                self.params, self.state, np.zeros((1, t), np.int32), np.zeros(4, np.int32),
+                _settings(dummy), np.ones(1, np.int32), _stop_row(()),
+            )  # fmt: skip
+            self._program(("prefill", t, a), args)
+        for a, rows in sorted(decode):
+            self._program(("decode", a, rows), (self.params, self.state))
         self._program(("release",), (self.state, np.int32(0)))
-        self._warm = True
+        self._warm = prompt_lengths is None
         return time.perf_counter() - start
 
 

@@ -1,9 +1,11 @@
 """The Engine on JAX: jitted prefill and decode over one donated device state (cache + per-slot sampling).
 
 Programs, all compiled ahead of time and kept in a table keyed by their static shape bucket:
-  prefill(T, A): one prompt chunk of T tokens (bucketed) into one slot, attending over A cache positions.
-  decode(A):     one token for every slot, attending over the first A cache positions, where A is the
-                 smallest bucket that holds the longest active slot.
+  prefill(T, A): one prompt chunk of T tokens (bucketed) into one slot, attending over A cache positions
+                 (A = T's bucket at a prompt's start, the whole slot for later chunks).
+  decode(A, R):  one token for each of the first R slots (the smallest power of two holding every active
+                 slot), attending over the first A cache positions, where A is the smallest bucket that
+                 holds the longest active slot.
   release:       deactivate one slot.
 Nothing else is traced while serving: `warmup()` compiles every bucket, and `compile_count` tells a test
 whether anything compiled later. With JAX's persistent compilation cache on, a second start reuses them.

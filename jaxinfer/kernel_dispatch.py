@@ -45,14 +45,33 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
         y = int8_matmul(x.reshape(rows, x.shape[-1]), q, scale, interpret=kernels.interpret)
         return y.reshape(*x.shape[:-1], q.shape[0])
     if rows > 1 and kernels.int8_activations:
-        # Dynamic per-row activation scales, int8 x int8 -> int32 dot, both scales applied after.
-        amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-        x_scale = jnp.where(amax == 0, 1.0, amax / 127.0)
-        x_q = jnp.clip(jnp.round(x / x_scale), -127, 127).astype(jnp.int8)
-        acc = _dot_nt(x_q, q, out_type=jnp.int32)
-        return (acc.astype(jnp.float32) * x_scale * scale).astype(x.dtype)
+        return _int8_activation_linear(x, q, scale)
     # Weight-only: XLA fuses the int8 -> float conversion into the product (memory bound at one row).
     return ((x @ q.T.astype(x.dtype)) * scale.astype(x.dtype)).astype(x.dtype)
+
+
+OUTLIER_CHANNELS = 8  # input channels per int8-activation matmul kept in float (LLM.int8()-style)
+
+
+def _int8_activation_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """int8 x int8 -> int32 dot with dynamic per-row activation scales, plus the few input channels with
+    the largest activations (chosen per call, across its rows) multiplied in float.
+
+    LLM activations carry a handful of outlier channels (SmolLM2: 0-7 per layer above |6|); a per-row
+    int8 scale set by them crushes every other channel of the row, which changed SmolLM2's answers.
+    Taking the top OUTLIER_CHANNELS channels out costs a [rows, 8] x [8, out] product.
+    """
+    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [rows, in]
+    _, outliers = jax.lax.top_k(jnp.max(jnp.abs(x2), axis=0), OUTLIER_CHANNELS)  # [k]
+    x_out = jnp.take(x2, outliers, axis=1)  # [rows, k]
+    x_in = x2.at[:, outliers].set(0.0)
+    amax = jnp.max(jnp.abs(x_in), axis=-1, keepdims=True)
+    x_scale = jnp.where(amax == 0, 1.0, amax / 127.0)
+    x_q = jnp.clip(jnp.round(x_in / x_scale), -127, 127).astype(jnp.int8)
+    acc = _dot_nt(x_q, q, out_type=jnp.int32).astype(jnp.float32) * x_scale  # [rows, out]
+    w_out = jnp.take(q, outliers, axis=1).astype(jnp.float32)  # [out, k]
+    y = (acc + x_out @ w_out.T) * scale
+    return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
 
 
 def embed(table, tokens: jax.Array, dtype) -> jax.Array:

@@ -36,9 +36,8 @@ from typing import IO, Any
 import numpy as np
 
 from jaxinfer.engine import Engine
-from jaxinfer.generate import check_request
 from jaxinfer.orchestrator import NotAccepting, Orchestrator, QueueFull, RequestHandle
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import SamplingParams, check_request
 
 __all__ = [
     "BatchInputError",
@@ -189,7 +188,8 @@ def parse_input_line(
         if not tokenizer.has_chat_template:
             raise ValueError("messages given but this model has no chat template; use 'prompt'")
         prompt_ids = tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
-    check_request(tokenizer, engine, prompt_ids, sampling)  # sampling values, vocabulary, context length
+    # sampling values, vocabulary, context length
+    check_request(prompt_ids, sampling, vocab_size=tokenizer.vocab_size, max_seq_len=engine.max_seq_len)
     return BatchItem(line_number, request_id, tuple(prompt_ids), sampling, obj.get("metadata"))
 
 

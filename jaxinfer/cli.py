@@ -105,7 +105,8 @@ def _sampling(args: argparse.Namespace):
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from jaxinfer.generate import check_request, generate
+    from jaxinfer.generate import generate
+    from jaxinfer.request import check_request
     from jaxinfer.runtime import build_runtime
 
     sampling = _sampling(args)
@@ -131,7 +132,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     for ids in prompts:
-        check_request(tok, runtime.engine, ids, sampling)  # before compiling anything for them
+        # before compiling anything for them
+        check_request(ids, sampling, vocab_size=tok.vocab_size, max_seq_len=runtime.engine.max_seq_len)
     compile_s = runtime.engine.warmup([len(p) for p in prompts], sampling.max_tokens)
     start = time.perf_counter()
     results = generate(

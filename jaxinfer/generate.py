@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, Engine, PrefillChunk, StepOutput
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import SamplingParams, check_request, with_eos
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -45,29 +45,6 @@ class _Live:
     last: float = 0.0
 
 
-def check_request(tokenizer: Tokenizer, engine: Engine, prompt_ids: Sequence[int], s: SamplingParams) -> None:
-    """Raises ValueError saying what is wrong with a request before it reaches the device."""
-    s.validate()
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    bad = [t for t in prompt_ids if not 0 <= t < tokenizer.vocab_size]
-    if bad:
-        raise ValueError(f"prompt token ids out of range [0, {tokenizer.vocab_size}): {bad[:5]}")
-    if len(prompt_ids) + s.max_tokens > engine.max_seq_len:
-        raise ValueError(
-            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({s.max_tokens}) exceeds the context "
-            f"length {engine.max_seq_len}"
-        )
-
-
-def with_eos(tokenizer: Tokenizer, s: SamplingParams) -> SamplingParams:
-    """The device stops on the request's stop ids plus the model's end-of-sequence ids."""
-    if s.ignore_eos:
-        return s
-    ids = tuple(dict.fromkeys((*s.stop_token_ids, *tokenizer.eos_ids)))
-    return dataclasses.replace(s, stop_token_ids=ids)
-
-
 def generate(
     engine: Engine,
     tokenizer: Tokenizer,
@@ -80,7 +57,7 @@ def generate(
     if len(prompts) != len(sampling):
         raise ValueError(f"{len(prompts)=} but {len(sampling)=}")
     for ids, s in zip(prompts, sampling):
-        check_request(tokenizer, engine, ids, s)
+        check_request(ids, s, vocab_size=tokenizer.vocab_size, max_seq_len=engine.max_seq_len)
     waiting = collections.deque(range(len(prompts)))
     results = [Completion(prompt_token_ids=list(p)) for p in prompts]
     live: dict[int, _Live] = {}  # slot -> request
@@ -138,7 +115,7 @@ def generate(
         while waiting and free:
             index, slot = waiting.popleft(), free.pop(0)
             ids = list(prompts[index])
-            s = with_eos(tokenizer, sampling[index])
+            s = with_eos(sampling[index], tokenizer.eos_ids)
             req = _Live(index, s, results[index], tokenizer.detokenizer(), start, time.perf_counter())
             live[slot] = req
             pieces = range(0, len(ids), chunk)

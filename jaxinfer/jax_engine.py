@@ -409,9 +409,7 @@ class JaxEngine(api.Engine):
         start = time.perf_counter()
         if prompt_lengths is None:
             prefill = {
-                (t, self._prefill_attend_len(begin, t))
-                for t in self._prefill_buckets
-                for begin in (0, 1)
+                (t, self._prefill_attend_len(begin, t)) for t in self._prefill_buckets for begin in (0, 1)
             }
             decode = {(a, rows) for a in self._attend_buckets for rows in self._row_buckets}
         else:

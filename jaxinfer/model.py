@@ -130,9 +130,7 @@ def _layer(
                 softcap=c.attn_logit_softcap, interpret=kernels.interpret,
             )  # fmt: skip
         else:
-            attn = attention_xla(
-                q, keys, values, bias, scale=c.attn_scale, softcap=c.attn_logit_softcap
-            )
+            attn = attention_xla(q, keys, values, bias, scale=c.attn_scale, softcap=c.attn_logit_softcap)
     attn = linear(attn.reshape(b, t, c.num_heads * c.head_dim), p["o_proj"], kernels)
     if c.sandwich_norms:
         attn = rms_norm(attn, p["post_attn_norm"], c.rms_norm_eps)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from jaxinfer.engine import Engine
 from jaxinfer.metrics import ServingMetrics
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import SamplingParams, check_request, with_eos
 from jaxinfer.scheduler import QueueFull, RequestOutput, Scheduler
 
 log = logging.getLogger(__name__)
@@ -183,24 +183,9 @@ class Orchestrator:
     ) -> RequestHandle:
         """Queues one request. Raises ValueError (bad request), QueueFull, or NotAccepting."""
         prompt = [int(t) for t in prompt_token_ids]
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        bad = [t for t in sampling.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        sampling.validate()
-        if len(prompt) + sampling.max_tokens > self.engine.max_seq_len:
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens={sampling.max_tokens} exceeds the context "
-                f"length {self.engine.max_seq_len}"
-            )
-        if not sampling.ignore_eos:  # the engine only knows stop ids, so the model's EOS ids join them
-            extra = tuple(t for t in self.tokenizer.eos_ids if t not in sampling.stop_token_ids)
-            sampling = dataclasses.replace(sampling, stop_token_ids=tuple(sampling.stop_token_ids) + extra)
+        vocab, context = self.tokenizer.vocab_size, self.engine.max_seq_len
+        check_request(prompt, sampling, vocab_size=vocab, max_seq_len=context)
+        sampling = with_eos(sampling, self.tokenizer.eos_ids)
         if not request_id:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._cond:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,3 +49,31 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+
+
+def check_request(
+    prompt_token_ids: Sequence[int], s: SamplingParams, *, vocab_size: int, max_seq_len: int
+) -> None:
+    """Raises ValueError saying what is wrong with a request before it reaches the device."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in prompt_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    bad = [t for t in s.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    s.validate()
+    if len(prompt_token_ids) + s.max_tokens > max_seq_len:
+        raise ValueError(
+            f"prompt of {len(prompt_token_ids)} tokens + max_tokens={s.max_tokens} exceeds the context "
+            f"length {max_seq_len}"
+        )
+
+
+def with_eos(s: SamplingParams, eos_ids: Sequence[int]) -> SamplingParams:
+    """The device stops only on stop ids, so the model's end-of-sequence ids join the request's."""
+    if s.ignore_eos:
+        return s
+    extra = tuple(t for t in eos_ids if t not in s.stop_token_ids)
+    return dataclasses.replace(s, stop_token_ids=tuple(s.stop_token_ids) + extra)

@@ -55,10 +55,17 @@ class DecodeState:
     seen: jax.Array  # bool [slots, vocab]: tokens of the prompt and output, for penalties
 
 
-def _finish(state: DecodeState, slots: jax.Array, token: jax.Array, generated: jax.Array, lengths: jax.Array):
-    """Done flags and reasons for newly sampled `token` of `slots` ([n] arrays)."""
-    hit_stop = jnp.any(state.stop_ids[slots] == token[:, None], axis=-1)
-    too_long = (generated >= state.max_tokens[slots]) | (lengths >= state.cache.max_len)
+def _finish(
+    stop_ids: jax.Array,  # [n, MAX_STOP_IDS]
+    max_tokens: jax.Array,  # [n]
+    token: jax.Array,  # [n], newly sampled
+    generated: jax.Array,  # [n], output tokens including `token`
+    lengths: jax.Array,  # [n], tokens in the cache
+    max_len: int,
+):
+    """Done flags and reasons for newly sampled tokens."""
+    hit_stop = jnp.any(stop_ids == token[:, None], axis=-1)
+    too_long = (generated >= max_tokens) | (lengths >= max_len)
     reason = jnp.where(hit_stop, api.FINISH_STOP, jnp.where(too_long, api.FINISH_LENGTH, api.FINISH_NONE))
     return hit_stop | too_long, reason.astype(jnp.int32)
 
@@ -99,9 +106,8 @@ def _prefill_step(
     token = sample(logits, seen_row[None], settings, jnp.zeros(1, jnp.int32))  # [1]
     length = start + true_len
     done, reason = _finish(
-        dataclasses.replace(state, stop_ids=stop_ids, max_tokens=max_tokens),
-        jnp.zeros(1, jnp.int32), token, jnp.ones(1, jnp.int32), length[None],
-    )  # fmt: skip
+        stop_ids, max_tokens, token, jnp.ones(1, jnp.int32), length[None], state.cache.max_len
+    )
     seen_row = jnp.where(is_last, seen_row.at[token[0]].set(True), seen_row)
 
     def put(field, value):
@@ -149,7 +155,9 @@ def _decode_step(
     token = sample(logits, seen, sampling, state.generated[:n])
     generated = state.generated[:n] + 1
     lengths = state.lengths[:n] + 1
-    done, reason = _finish(state, slots, token, generated, lengths)
+    done, reason = _finish(
+        state.stop_ids[:n], state.max_tokens[:n], token, generated, lengths, state.cache.max_len
+    )
     done &= active
 
     def put(field: jax.Array, rows: jax.Array) -> jax.Array:

@@ -117,11 +117,3 @@ def init_cache(model: ModelConfig, cache: CacheConfig, mesh: Mesh) -> KVCache:
         v_scale=zeros(scale_shape, jnp.float32, scale_spec),
         layout=cache.layout,
     )
-
-
-def cache_bytes(model: ModelConfig, cache: CacheConfig) -> int:
-    n = 1
-    for d in cache_shape(model, cache):
-        n *= d
-    scales = 2 * (n // model.head_dim) * 4 if cache.dtype == "int8" else 0
-    return 2 * n * jnp.dtype(cache.dtype).itemsize + scales

@@ -116,12 +116,18 @@ def attention_xla(
         bias = bias[:, None, None]  # [b, 1, 1, t, s]
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
-    probs = jax.nn.softmax(scores + bias, axis=-1).astype(v.dtype)
+    scores = scores + bias
+    # Normalise after the value product: one divide over [.., d] instead of over [.., s], and the divide
+    # (which XLA:CPU keeps out of the next fusion) hands the output projection a flat [b, t, h*d] buffer.
+    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    denom = jnp.sum(weights, axis=-1, keepdims=True)  # [b, k, g, 1] or [b, k, g, t, 1]
     if t == 1:
-        out = jnp.einsum("bkgs,bksd->bkgd", probs, v, preferred_element_type=jnp.float32)
+        out = jnp.einsum("bkgs,bksd->bkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     else:
-        out = jnp.einsum("bkgts,bksd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, t, h, d).astype(q.dtype)
+        out = jnp.einsum("bkgts,bksd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        denom = jnp.moveaxis(denom, 3, 1)  # [b, t, k, g, 1]
+    denom = jnp.broadcast_to(denom.reshape(b, t, h, 1), (b, t, h, d)).reshape(b, t, h * d)
+    return (out.reshape(b, t, h * d) / denom).astype(q.dtype).reshape(b, t, h, d)
 
 
 def prefill_attention_pallas(

@@ -71,10 +71,16 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def _activation(config: ModelConfig, x: jax.Array) -> jax.Array:
+def gated_activation(config: ModelConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """act(gate) * up, written as one division: silu(g) = g / (1 + exp(-g)) and gelu_tanh(g) =
+    g / (1 + exp(-2z)), z = sqrt(2/pi) (g + 0.044715 g^3). XLA:CPU copies cheap elementwise producers
+    into the next matmul's loop (recomputing them for every output column) but keeps a division out, so
+    the down projection reads one flat buffer; that made it ~2x faster at one row."""
+    g = gate.astype(jnp.float32)
     if config.activation == "gelu_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.silu(x)
+        z = math.sqrt(2.0 / math.pi) * (g + 0.044715 * g * g * g)
+        return (g * up / (1.0 + jnp.exp(-2.0 * z))).astype(gate.dtype)
+    return (g * up / (1.0 + jnp.exp(-g))).astype(gate.dtype)
 
 
 def _layer(
@@ -141,7 +147,7 @@ def _layer(
         gate, up = jnp.split(linear(h, p["gate_up_proj"], kernels), 2, axis=-1)
     else:
         gate, up = linear(h, p["gate_proj"], kernels), linear(h, p["up_proj"], kernels)
-    h = _activation(c, gate) * up
+    h = gated_activation(c, gate, up)
     h = linear(h, p["down_proj"], kernels)
     if c.sandwich_norms:
         h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps)

@@ -41,9 +41,10 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
     p.add_argument("--quantize", default="none", choices=["none", "int8"], help="weight quantisation")
     p.add_argument(
-        "--int8-activations", default=None, action=argparse.BooleanOptionalAction,
-        help="with int8 weights, quantise activations at several rows too (default: on for CPU, the fast "
-        "form there; off is more accurate)",
+        "--int8-activations", action="store_true",
+        help="with int8 weights, quantise activations at several rows too (int8 x int8 dots with the 8 "
+        "largest channels in float: less memory than the default CPU form, a bf16 weight copy for "
+        "several rows, and less accurate)",
     )  # fmt: skip
     p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")

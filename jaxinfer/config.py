@@ -98,7 +98,8 @@ class KernelConfig:
         prefill, decode attention over the whole cache; needs the "bhsd" layout and a float cache).
     matmul: "xla" or "pallas" (the int8 weight kernel) for int8 weights; float weights always use XLA.
     int8_activations: for int8 weights at more than one row, quantise activations per row to int8 and
-        run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there).
+        run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there;
+        without this flag, a bf16 weight copy serves several rows there, see quantization.py).
     interpret: run Pallas kernels in interpret mode (CPU).
     """
 
@@ -118,7 +119,6 @@ class KernelConfig:
         return cls(
             attention=attention,
             matmul="pallas" if accelerated else "xla",
-            int8_activations=backend == "cpu",
             interpret=not accelerated,
         )
 

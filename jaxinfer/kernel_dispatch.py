@@ -4,7 +4,8 @@ All choices are made at trace time from static facts (KernelConfig, the number o
 type), so the compiled step contains exactly one form of each operation.
 
 A linear weight is either a float array [out, in] or an int8-quantised dict {"q": int8 [out, in],
-"scale": float32 [out]} (one scale per output channel, see quantization.py).
+"scale": float32 [out]} (one scale per output channel, see quantization.py), optionally with "bf16":
+the dequantised weight in bfloat16 [out, in] for products of several rows on CPU.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     The spelling of each form matters on XLA:CPU (measured on a 20-layer SmolLM2-shaped MLP chain):
     `x @ w.T` beats the equivalent last-dim dot_general 2x at one row; the int8 weight converted after
     the transpose fuses into the matrix-vector product (~1.6x faster than float), while the same
-    conversion under dot_general runs ~50x slower; int8 x int8 dots are fastest as dot_general.
+    conversion under dot_general runs ~50x slower. At several rows the int8 form collapses (~40x slower
+    than one row per row); a bf16 copy (quantization.add_bf16_copies) or int8 activations take over.
     """
     if not is_quantized(w):
         return x @ w.astype(x.dtype).T
@@ -46,6 +48,10 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
         return y.reshape(*x.shape[:-1], q.shape[0])
     if rows > 1 and kernels.int8_activations:
         return _int8_activation_linear(x, q, scale)
+    if rows > 1 and "bf16" in w:
+        x2 = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
+        y = _dot_nt(x2, w["bf16"], out_type=jnp.float32)
+        return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
     # Weight-only: XLA fuses the int8 -> float conversion into the product (memory bound at one row).
     return ((x @ q.T.astype(x.dtype)) * scale.astype(x.dtype)).astype(x.dtype)
 

@@ -5,11 +5,18 @@ Every linear weight [out, in] and the embedding table [vocab, hidden] become {"q
 so the same scales serve the embedding lookup and the tied logits projection). Norms stay float.
 Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
 memory stays near one float copy.
+
+`add_bf16_copies` gives each int8 leaf a third array, "bf16": the dequantised weight in bfloat16, for
+products of several rows on XLA:CPU. There the int8 form is only fast as a matrix-vector product (one
+row), while a bf16 x bf16 -> f32 dot at 4-512 rows is as fast as an int8 x int8 one without quantising
+the activations (measured on SmolLM2's shapes: 16 rows 29.7 vs 29.2 ms, 128 rows 106 vs 135 ms, before
+the int8 form's outlier handling). It triples the weight memory of the int8 model (still 75% of f32).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.kernel_dispatch import is_quantized
 from jaxinfer.params import Params
@@ -43,6 +50,27 @@ def quantize_params(params: Params, mode: str = "int8") -> Params:
     def convert(tree: dict) -> dict:
         return {
             name: _quantize_leaf(w) if name in QUANTIZED_LEAVES and not is_quantized(w) else w
+            for name, w in tree.items()
+        }
+
+    top = convert({k: v for k, v in params.items() if k != "layers"})
+    top["layers"] = [convert(layer) for layer in params["layers"]]
+    return top
+
+
+@jax.jit
+def _dequantize_bf16(q: jax.Array, scale: jax.Array) -> jax.Array:
+    return (q.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16)
+
+
+def add_bf16_copies(params: Params) -> Params:
+    """Adds a "bf16" dequantised copy to every int8 weight that lacks one (same sharding as "q")."""
+
+    def convert(tree: dict) -> dict:
+        return {
+            name: {**w, "bf16": _dequantize_bf16(w["q"], w["scale"])}
+            if is_quantized(w) and "bf16" not in w
+            else w
             for name, w in tree.items()
         }
 

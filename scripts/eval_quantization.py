@@ -15,7 +15,7 @@ import jax
 from jaxinfer.config import KernelConfig
 from jaxinfer.evaluation import EVAL_TEXT, compare, teacher_forced_logits
 from jaxinfer.loading import load_model
-from jaxinfer.quantization import quantize_params, weight_bytes
+from jaxinfer.quantization import add_bf16_copies, quantize_params, weight_bytes
 from jaxinfer.runtime import load_tokenizer
 
 
@@ -36,12 +36,16 @@ def main() -> None:
     print(f"{args.model}: {len(tokens)} tokens of fixed text")
     print(f"weights: float32 {float_bytes / 2**20:.1f} MiB -> int8 {int8_bytes / 2**20:.1f} MiB "
           f"({int8_bytes / float_bytes:.1%})")  # fmt: skip
+    with_copies = add_bf16_copies(quantized)
+    print(f"with the bf16 copies for several rows (CPU default): {weight_bytes(with_copies) / 2**20:.1f} MiB "
+          f"({weight_bytes(with_copies) / float_bytes:.1%})")  # fmt: skip
     forms = {
-        "int8 weights, int8 activations (CPU default)": KernelConfig(int8_activations=True),
-        "int8 weights, float activations": KernelConfig(int8_activations=False),
+        "int8 weights; several rows in bf16 (CPU default)": (KernelConfig(), with_copies),
+        "int8 weights, float activations": (KernelConfig(), quantized),
+        "int8 weights, int8 activations": (KernelConfig(int8_activations=True), quantized),
     }
-    for name, form in forms.items():
-        result = compare(reference, teacher_forced_logits(quantized, loaded.config, tokens, form), tokens)
+    for name, (form, weights) in forms.items():
+        result = compare(reference, teacher_forced_logits(weights, loaded.config, tokens, form), tokens)
         print(
             f"{name}: greedy agreement {result.greedy_agreement:.1%} over {result.positions} positions; "
             f"perplexity {result.reference_perplexity:.3f} -> {result.candidate_perplexity:.3f} "

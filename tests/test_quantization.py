@@ -11,12 +11,13 @@ from jaxinfer.config import KernelConfig
 from jaxinfer.evaluation import EVAL_TEXT, compare, teacher_forced_logits
 from jaxinfer.kernel_dispatch import embed, linear
 from jaxinfer.params import random_params
-from jaxinfer.quantization import quantization_of, quantize_params, weight_bytes
+from jaxinfer.quantization import add_bf16_copies, quantization_of, quantize_params, weight_bytes
 from pallas_kernels import dequantize_int8
 from tests.test_engine import LLAMA
 
 FORMS = {
     "one-row/dequant": KernelConfig(int8_activations=False),
+    "bf16-copy": KernelConfig(),  # the CPU default: a bf16 copy of the weight serves several rows
     "int8-activations": KernelConfig(int8_activations=True),
     "pallas": KernelConfig(matmul="pallas", interpret=True),
 }
@@ -39,12 +40,14 @@ def test_every_int8_matmul_form_matches_the_dequantised_weight(form, rows):
     rng = np.random.default_rng(rows)
     w = jnp.asarray(rng.normal(size=(96, 64)), jnp.float32)
     x = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
-    q = quantize_params({"layers": [], "q_proj": jnp.array(w)})["q_proj"]  # quantize consumes its input
+    params = quantize_params({"layers": [], "q_proj": jnp.array(w)})  # quantize consumes its input
+    q = (add_bf16_copies(params) if form == "bf16-copy" else params)["q_proj"]
     reference = x @ dequantize_int8(q["q"], q["scale"]).T
     got = linear(x, q, FORMS[form])
     rel = float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference))
-    # weight-only forms are exact up to float rounding; int8 activations add their own rounding (<1%)
-    limit = 1e-2 if form == "int8-activations" and rows > 1 else 1e-5
+    # Weight-only forms are exact up to float rounding; int8 activations and bf16 operands add their own
+    # rounding (<1%).
+    limit = 1e-2 if form in ("int8-activations", "bf16-copy") and rows > 1 else 1e-5
     assert rel < limit, rel
     # and all of them stay close to the float weight itself
     assert float(jnp.linalg.norm(got - x @ w.T) / jnp.linalg.norm(x @ w.T)) < 2e-2
@@ -70,12 +73,13 @@ def test_int8_smollm2_keeps_greedy_agreement_and_perplexity():
     quantized = quantize_params(loaded.params)
     assert weight_bytes(quantized) / before < 0.26
     # Measured 2026-11-30: 92.6% (float activations), 90.7% (int8 activations with float outlier channels;
-    # 85.6% without them); perplexity within 1.2%.
-    for form, floor in [
-        (KernelConfig(int8_activations=False), 0.88),
-        (KernelConfig(int8_activations=True), 0.8),
+    # 85.6% without them), 92.1% with the bf16 copy for several rows (CPU default); perplexity within 1.2%.
+    for form, floor, weights in [
+        (KernelConfig(int8_activations=False), 0.88, quantized),
+        (KernelConfig(int8_activations=True), 0.8, quantized),
+        (KernelConfig(), 0.88, add_bf16_copies(quantized)),
     ]:
-        result = compare(reference, teacher_forced_logits(quantized, loaded.config, tokens, form), tokens)
+        result = compare(reference, teacher_forced_logits(weights, loaded.config, tokens, form), tokens)
         assert result.positions > 200
         assert result.greedy_agreement >= floor, (form, result)
         assert abs(result.candidate_perplexity / result.reference_perplexity - 1) < 0.03, (form, result)

@@ -49,10 +49,16 @@ def _slot_key(seed: jax.Array, step: jax.Array) -> jax.Array:
 
 
 def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> jax.Array:
-    """Temperature, then top-k / top-p / min-p thresholds, then Gumbel-max over the vocabulary."""
+    """Temperature, then top-k / top-p / min-p thresholds, then Gumbel-max over the tokens kept.
+
+    A slot whose threshold keeps only tokens among the CANDIDATES most likely (any top-k or top-p
+    filter) draws its noise for those CANDIDATES alone; drawing it for the whole vocabulary costs more
+    than the candidates' top-k. Slots that may keep more (no filter, or min-p alone) use the whole
+    vocabulary, in a branch that only runs when such a slot exists.
+    """
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     scaled = logits / temp  # [slots, vocab]
-    top_vals, _ = jax.lax.top_k(scaled, min(CANDIDATES, scaled.shape[-1]))  # [slots, c], descending
+    top_vals, top_ids = jax.lax.top_k(scaled, min(CANDIDATES, scaled.shape[-1]))  # [slots, c], descending
     num_cand = top_vals.shape[-1]
 
     k = jnp.clip(s.top_k, 1, num_cand)
@@ -67,13 +73,30 @@ def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> ja
     nucleus_min = jnp.take_along_axis(top_vals, last_in[:, None], axis=-1)[:, 0]
     thr_p = jnp.where(s.top_p < 1.0, nucleus_min, -jnp.inf)
 
-    thr_m = jnp.where(s.min_p > 0, top_vals[:, 0] + jnp.log(jnp.maximum(s.min_p, 1e-30)), -jnp.inf)
+    # The max of `scaled`, not top_vals[:, 0]: a static slice of top_k's output makes XLA:CPU lower it as
+    # a full sort of the vocabulary (~9 ms per row at 49k tokens) instead of its TopK kernel.
+    top = jnp.max(scaled, axis=-1)
+    thr_m = jnp.where(s.min_p > 0, top + jnp.log(jnp.maximum(s.min_p, 1e-30)), -jnp.inf)
 
-    threshold = jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m)[:, None]
-    masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    threshold = jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m)[:, None]  # [slots, 1]
     keys = jax.vmap(_slot_key)(s.seed, steps)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:], jnp.float32))(keys)
-    return jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+
+    def gumbel(width: int) -> jax.Array:
+        return jax.vmap(lambda key: jax.random.gumbel(key, (width,), jnp.float32))(keys)
+
+    kept = jnp.where(top_vals >= threshold, top_vals, -jnp.inf)
+    pick = jnp.argmax(kept + gumbel(num_cand), axis=-1)
+    from_candidates = jnp.take_along_axis(top_ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    # May keep more than the candidates (min over top_vals, not a slice of it: see above).
+    wide = (threshold[:, 0] < jnp.min(top_vals, axis=-1)) & (s.temperature > 0)
+
+    def whole_vocabulary() -> jax.Array:
+        masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        return jnp.argmax(masked + gumbel(scaled.shape[-1]), axis=-1).astype(jnp.int32)
+
+    from_vocabulary = jax.lax.cond(jnp.any(wide), whole_vocabulary, lambda: from_candidates)
+    return jnp.where(wide, from_vocabulary, from_candidates)
 
 
 def sample(logits: jax.Array, seen: jax.Array, s: SlotSampling, steps: jax.Array) -> jax.Array:

@@ -125,3 +125,30 @@ def test_seed_split_round_trips_64_bits():
 def test_invalid_sampling_values_are_rejected(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value}).validate()
+
+
+def test_candidate_and_whole_vocabulary_paths_past_the_candidate_count():
+    # 600 tokens > CANDIDATES: top-k draws its noise among the candidates only, min-p alone samples the
+    # whole vocabulary; both must follow the filtered softmax.
+    logits = np.random.default_rng(1).normal(size=600).astype(np.float32) * 2.5
+    probs = np.exp(logits - logits.max())
+    top = np.argsort(-logits)[:20]
+    tokens = _draw(logits, 4000, top_k=20)
+    assert set(tokens) <= set(top)
+    expected = probs[top] / probs[top].sum()
+    freq = np.array([(tokens == t).mean() for t in top])
+    assert 0.5 * np.abs(freq - expected).sum() < 0.06
+
+    allowed = np.flatnonzero(probs >= 0.01)
+    tokens = _draw(logits, 4000, min_p=0.01)
+    assert set(tokens) <= set(allowed)
+    expected = probs[allowed] / probs[allowed].sum()
+    freq = np.array([(tokens == t).mean() for t in allowed])
+    assert 0.5 * np.abs(freq - expected).sum() < 0.06, len(allowed)
+
+    # With no filter the tail past the CANDIDATES most likely tokens keeps its mass.
+    tail = np.argsort(-logits)[256:]
+    tail_mass = probs[tail].sum() / probs.sum()
+    assert tail_mass > 0.01
+    tokens = _draw(logits, 4000)
+    assert abs(np.isin(tokens, tail).mean() - tail_mass) < 0.007, tail_mass

@@ -6,8 +6,11 @@ Layouts (CacheConfig.layout):
 
 The cache is donated to every jitted step and updated with scatters on the whole array, which XLA does in
 place (per-layer slices as scan carries or `dynamic_update_slice` inside `vmap` made copies on XLA:CPU).
-Writes at positions >= max_len are dropped: inactive slots write there so they never clobber a slot that is
-being prefilled in chunks.
+Writes at positions >= max_len never reach a real position: inactive slots write there so they never
+clobber a slot that is being prefilled in chunks. The position axis holds one spare column past max_len
+that takes those writes and is never read, so every read, even of all max_len positions, is a strict
+slice of the array: reading the whole axis of the buffer being updated in place made XLA copy the
+entire cache once per layer (SmolLM2, 1024 positions: 13 -> 55 ms per decode step).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3] if self.layout == "bhsd" else self.k.shape[2]
+        """Usable positions (the array holds one more, see the module docstring)."""
+        return (self.k.shape[3] if self.layout == "bhsd" else self.k.shape[2]) - 1
 
     @property
     def num_slots(self) -> int:
@@ -92,9 +96,10 @@ class KVCache:
 
 
 def cache_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
+    positions = cache.max_len + 1  # the spare column for dropped writes
     if cache.layout == "bhsd":
-        return (model.num_layers, cache.num_slots, model.num_kv_heads, cache.max_len, model.head_dim)
-    return (model.num_layers, cache.num_slots, cache.max_len, model.num_kv_heads, model.head_dim)
+        return (model.num_layers, cache.num_slots, model.num_kv_heads, positions, model.head_dim)
+    return (model.num_layers, cache.num_slots, positions, model.num_kv_heads, model.head_dim)
 
 
 def init_cache(model: ModelConfig, cache: CacheConfig, mesh: Mesh) -> KVCache:

@@ -1,9 +1,11 @@
 """Prefill and decode speed of the embedded models, next to transformers measured in the same run.
 
-    .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m] [--batches 1 8]
-        [--prompt-len 512] [--quantize int8] [--llama-bench /path/to/llama-bench]
+    .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m]
+        [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|none]
+        [--llama-bench /path/to/llama-bench]
 
-Prints tokens/s for prefill (one prompt) and decode (batch 1 and 8, aggregate), the ratio to transformers
+Prints tokens/s for prefill (one prompt of --prefill-len tokens) and decode (each batch size, aggregate,
+every stream after a --prompt-len prompt), the ratio to transformers
 (float32, CPU, KV cache on), and the fraction of the memory-bandwidth roofline decode reaches: every step
 must read all weights once plus the KV cache it attends over, and the bandwidth is measured in this run.
 """
@@ -41,13 +43,27 @@ def measure_bandwidth_gbs(megabytes: int = 512) -> float:
     return x.nbytes / min(times) / 1e9
 
 
-def param_bytes(params) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
+def step_weight_bytes(params, rows: int) -> int:
+    """Weight bytes one decode step reads: int8 weights with their scales at one row; at several rows the
+    bf16 copies instead where they exist (quantization.add_bf16_copies)."""
+
+    def leaf_bytes(w) -> int:
+        if not isinstance(w, dict):
+            return w.nbytes
+        if rows > 1 and "bf16" in w:
+            return w["bf16"].nbytes
+        return w["q"].nbytes + w["scale"].nbytes
+
+    top = [w for k, w in params.items() if k != "layers"]
+    return sum(leaf_bytes(w) for w in top + [w for layer in params["layers"] for w in layer.values()])
 
 
-def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int, quantize: str) -> dict:
+def bench_ours(
+    name: str, prompt: list[int], prefill_prompt: list[int], batches: list[int], steps: int, quantize: str
+) -> dict:
     """Each batch size runs on an engine with exactly that many slots (a decode step computes every slot)."""
-    max_len = 1 << (len(prompt) + steps - 1).bit_length()  # a power of two that holds the request
+    longest = max(len(prompt) + steps, len(prefill_prompt))
+    max_len = 1 << (longest - 1).bit_length()  # a power of two that holds the requests
     runtime = build_runtime(RuntimeOptions(model=name, num_slots=1, max_len=max_len, quantize=quantize))
     params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
@@ -58,17 +74,17 @@ def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int, qua
             kernels=runtime.engine.kernels,
         )  # fmt: skip
 
-        def prefill(slot: int, engine: JaxEngine = engine) -> None:
-            engine.prefill([PrefillChunk(slot, prompt, 0, greedy, True, prompt)]).result()
+        def prefill(slot: int, tokens: list[int] = prompt, engine: JaxEngine = engine) -> None:
+            engine.prefill([PrefillChunk(slot, tokens, 0, greedy, True, tokens)]).result()
 
         if batch == batches[0]:
-            prefill(0)  # compile
+            prefill(0, prefill_prompt)  # compile
             times = []
             for _ in range(3):
                 start = time.perf_counter()
-                prefill(0)
+                prefill(0, prefill_prompt)
                 times.append(time.perf_counter() - start)
-            result["prefill"] = len(prompt) / statistics.median(times)
+            result["prefill"] = len(prefill_prompt) / statistics.median(times)
         for slot in range(batch):
             prefill(slot)
         engine.decode().result()  # compile this attend bucket
@@ -82,11 +98,13 @@ def bench_ours(name: str, prompt: list[int], batches: list[int], steps: int, qua
         result[f"decode{batch}"] = batch * steps / (time.perf_counter() - start)
         attend = engine._bucket(engine._attend_buckets, len(prompt) + steps)
         kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend * 4
-        result["step_bytes"][batch] = param_bytes(params) + batch * kv_bytes
+        result["step_bytes"][batch] = step_weight_bytes(params, batch) + batch * kv_bytes
     return result
 
 
-def bench_transformers(path, prompt: list[int], batches: list[int], steps: int) -> dict:
+def bench_transformers(
+    path, prompt: list[int], prefill_prompt: list[int], batches: list[int], steps: int
+) -> dict:
     import torch
     import transformers
 
@@ -94,16 +112,16 @@ def bench_transformers(path, prompt: list[int], batches: list[int], steps: int) 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
-    ids = torch.tensor([prompt])
+    ids, prefill_ids = torch.tensor([prompt]), torch.tensor([prefill_prompt])
     result = {}
     with torch.inference_mode():
-        model(ids)
+        model(prefill_ids)
         times = []
         for _ in range(3):
             start = time.perf_counter()
-            model(ids)
+            model(prefill_ids)
             times.append(time.perf_counter() - start)
-        result["prefill"] = len(prompt) / statistics.median(times)
+        result["prefill"] = len(prefill_prompt) / statistics.median(times)
         for batch in batches:
             out = model(ids.repeat(batch, 1), use_cache=True)
             past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -115,11 +133,14 @@ def bench_transformers(path, prompt: list[int], batches: list[int], steps: int) 
     return result
 
 
-def transformers_in_subprocess(path, prompt: list[int], batches: list[int], steps: int) -> dict:
+def transformers_in_subprocess(
+    path, prompt: list[int], prefill_prompt: list[int], batches: list[int], steps: int
+) -> dict:
     """Runs bench_transformers in a fresh process: XLA's CPU thread pool in this one would compete."""
     code = (
         "import json, sys, pathlib; sys.path.insert(0, 'scripts'); import bench_decode as b; "
-        f"print(json.dumps(b.bench_transformers(pathlib.Path({str(path)!r}), {prompt!r}, {batches!r}, "
+        f"print(json.dumps(b.bench_transformers(pathlib.Path({str(path)!r}), {prompt!r}, {prefill_prompt!r}, "
+        f"{batches!r}, "
         f"{steps})))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -143,30 +164,33 @@ def main() -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct", "gemma3-270m"])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill figure")
+    parser.add_argument("--prompt-len", type=int, default=128, help="context of each decode stream")
     parser.add_argument("--steps", type=int, default=64)
-    parser.add_argument("--quantize", default="none", choices=["none", "int8"])
+    parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--llama-bench", default=None, help="path to llama.cpp's llama-bench binary")
     args = parser.parse_args()
 
     bandwidth = measure_bandwidth_gbs()
     print(f"backend {jax.default_backend()}, weights {args.quantize}, read bandwidth {bandwidth:.1f} GB/s")
-    prompt = [int(t) for t in np.random.default_rng(0).integers(100, 5000, size=args.prompt_len)]
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(100, 5000, size=args.prompt_len)]
+    prefill_prompt = [int(t) for t in rng.integers(100, 5000, size=args.prefill_len)]
     rows = []
     for name in args.models:
-        ours = bench_ours(name, prompt, args.batches, args.steps, args.quantize)
+        ours = bench_ours(name, prompt, prefill_prompt, args.batches, args.steps, args.quantize)
         ref = {}
         if not args.no_transformers:
-            ref = transformers_in_subprocess(ours["path"], prompt, args.batches, args.steps)
+            ref = transformers_in_subprocess(ours["path"], prompt, prefill_prompt, args.batches, args.steps)
         lcpp = {}
         if args.llama_bench:
-            lcpp = bench_llama_cpp(args.llama_bench, ours["path"], args.prompt_len, args.steps)
+            lcpp = bench_llama_cpp(args.llama_bench, ours["path"], args.prefill_len, args.steps)
         rows.append(
             (
                 name,
-                f"prefill {args.prompt_len}",
+                f"prefill {args.prefill_len}",
                 ours["prefill"],
                 ref.get("prefill"),
                 lcpp.get("prefill"),

@@ -17,7 +17,7 @@ import jax
 
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.jax_engine import JaxEngine
-from jaxinfer.loading import LoadedModel, load_gguf, load_model
+from jaxinfer.loading import LoadedModel, ModelLoadError, load_gguf, load_model
 from jaxinfer.loading.gguf_loader import open_gguf
 from jaxinfer.loading.orbax_checkpoint import MODEL_FILE
 from jaxinfer.params import fuse_projections
@@ -124,6 +124,21 @@ def _save_converted(entry: Path, loaded: LoadedModel, tokenizer: Tokenizer) -> N
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _load_converted(entry: Path, dtype: str, placement) -> tuple[LoadedModel, Tokenizer] | None:
+    """A saved entry's weights and tokenizer; None (and the entry removed) when it is missing or damaged."""
+    if not (entry / MODEL_FILE).is_file():
+        return None
+    try:
+        loaded = load_model(entry, dtype=dtype, placement=placement)
+        tokenizer = Tokenizer.from_hf(entry / "tokenizer")
+    except (ModelLoadError, OSError, ValueError) as e:
+        log.warning("ignoring the damaged converted weights in %s: %s", entry, e)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    log.info("loaded converted weights from %s", entry)
+    return loaded, tokenizer
+
+
 def enable_compilation_cache(directory: str | None) -> None:
     """JAX's persistent compilation cache: the second start of the same programs skips XLA compilation."""
     if not directory:
@@ -153,11 +168,9 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     kind, path = resolve_model(options.model)
     quantize = resolve_quantize(options.quantize, jax.default_backend())
     entry = _weights_cache_entry(options, Path(path), quantize, dtype) if kind == "gguf" else None
-    if entry is not None and (entry / MODEL_FILE).is_file():
-        cached = load_model(entry, dtype=dtype, placement=placement)
-        loaded = dataclasses.replace(cached, kind="gguf", path=Path(path))
-        tokenizer = Tokenizer.from_hf(entry / "tokenizer")
-        log.info("loaded converted weights from %s", entry)
+    cached = _load_converted(entry, dtype, placement) if entry is not None else None
+    if cached is not None:
+        loaded, tokenizer = dataclasses.replace(cached[0], kind="gguf", path=Path(path)), cached[1]
     else:
         if kind == "gguf":
             # Parsing a large vocabulary's GGUF metadata takes seconds: parse it once for both.

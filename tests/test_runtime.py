@@ -38,3 +38,11 @@ def test_converted_weights_cache_gives_the_same_model(tmp_path, caplog):
     text = "Paris, 1889: the Eiffel tower's 330 m."
     assert second.tokenizer.encode(text) == first.tokenizer.encode(text)
     assert list(tmp_path.iterdir()) == entries
+
+    # A damaged entry is dropped and written again from the GGUF file, not an error.
+    (entries[0] / "jaxinfer_model.json").write_text("{not json")
+    caplog.clear()
+    third = build_runtime(options)
+    assert "ignoring the damaged converted weights" in caplog.text
+    assert "saved converted weights" in caplog.text
+    assert third.tokenizer.encode(text) == first.tokenizer.encode(text)

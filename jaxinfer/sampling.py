@@ -99,6 +99,22 @@ def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> ja
     return jnp.where(wide, from_vocabulary, from_candidates)
 
 
+def greedy_tokens(logits: jax.Array) -> jax.Array:
+    """argmax over the last axis (the first index of the maximum), [slots, vocab] -> [slots] int32.
+
+    XLA:CPU's argmax is a variadic (value, index) reduction that runs ~3-6x slower than a max followed
+    by a min over the indices holding it (SmolLM2 logits at one row: 0.25 -> 0.09 ms; Gemma's 262k-token
+    vocabulary: 1.2 -> 0.2 ms). Past ~2M logits the two passes lose (16 x 262k: 9.6 vs 17.7 ms), so
+    the form is chosen from the static shape.
+    """
+    if logits.size > 1 << 21:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    first = jnp.min(jnp.where(logits == top, ids, logits.shape[-1]), axis=-1)
+    return jnp.minimum(first, logits.shape[-1] - 1)  # a NaN row matches nothing: keep the id valid
+
+
 def sample(logits: jax.Array, seen: jax.Array, s: SlotSampling, steps: jax.Array) -> jax.Array:
     """Picks one token per slot.
 
@@ -106,7 +122,7 @@ def sample(logits: jax.Array, seen: jax.Array, s: SlotSampling, steps: jax.Array
     being sampled within its request (for the per-request random stream). Returns [slots] int32.
     """
     logits = apply_penalties(logits, seen, s)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     # When every slot is greedy (the common serving case) skip the sort and the noise entirely.
     sampled = jax.lax.cond(
         jnp.any(s.temperature > 0),

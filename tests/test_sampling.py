@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from jaxinfer.request import SamplingParams
-from jaxinfer.sampling import SlotSampling, apply_penalties, sample, split_seed
+from jaxinfer.sampling import SlotSampling, apply_penalties, greedy_tokens, sample, split_seed
 
 VOCAB = 50
 
@@ -152,3 +152,10 @@ def test_candidate_and_whole_vocabulary_paths_past_the_candidate_count():
     assert tail_mass > 0.01
     tokens = _draw(logits, 4000)
     assert abs(np.isin(tokens, tail).mean() - tail_mass) < 0.007, tail_mass
+
+
+@pytest.mark.parametrize("shape", [(3, 1000), (9, 1 << 18)])  # both forms: two passes, then argmax
+def test_greedy_tokens_is_the_first_argmax(shape):
+    logits = np.random.default_rng(2).normal(size=shape).astype(np.float32)
+    logits[0, [5, 17]] = 50.0  # a tie: the first index wins, as in np.argmax
+    np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(logits)), np.argmax(logits, axis=-1))

@@ -115,7 +115,10 @@ def attention_xla(
     num_kv = k.shape[1]
     if t == 1:  # decode: a 4-d form without the unit axis lowers to much faster dots on XLA:CPU
         qg = q.reshape(b, num_kv, h // num_kv, d)
-        scores = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32) * scale
+        # Keys as the left operand ([s, d] x [d, g]): XLA:CPU's YNNPACK dot then packs the small query
+        # block, not the keys (SmolLM2 at 256 positions: 34 -> 15 us per layer).
+        scores = jnp.einsum("bksd,bkgd->bksg", k, qg, preferred_element_type=jnp.float32)
+        scores = jnp.swapaxes(scores, -1, -2) * scale
         bias = bias[:, None]  # [b, 1, 1, s]
     else:
         qg = q.reshape(b, t, num_kv, h // num_kv, d)

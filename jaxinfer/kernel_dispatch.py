@@ -21,6 +21,12 @@ from pallas_kernels import decode_attention, flash_attention, int8_matmul
 MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
 
 
+# Up to this many rows, an int8 product runs as one matrix-vector product per row: each reads the int8
+# weights at ~28 GB/s, which beats the bf16 copy's dot up to 4 rows (SmolLM2 decode step, 2 rows: 15.2
+# vs 23.9 ms; 4 rows: 21.3 vs 27.6; 8 rows: 37.5 vs 33.5) and keeps those rows' results batch-invariant.
+ROWS_AS_VECTORS = 4
+
+
 def is_quantized(w) -> bool:
     return isinstance(w, dict) and "q" in w
 
@@ -49,6 +55,10 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
         return y.reshape(*x.shape[:-1], q.shape[0])
     if rows > 1 and kernels.int8_activations:
         return _int8_activation_linear(x, q, scale)
+    if 1 < rows <= ROWS_AS_VECTORS:  # a few rows: one memory-bound matrix-vector product each
+        x2 = x.reshape(rows, x.shape[-1])
+        y = jnp.concatenate([linear(x2[i : i + 1], w, kernels) for i in range(rows)])
+        return y.reshape(*x.shape[:-1], q.shape[0])
     if rows > 1 and "bf16" in w:
         x2 = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
         y = _dot_nt(x2, w["bf16"], out_type=jnp.float32)

@@ -99,8 +99,10 @@ def resolve_quantize(quantize: str, backend: str) -> str:
 
 def _weights_cache_entry(options: RuntimeOptions, gguf_path: Path, quantize: str, dtype: str) -> Path | None:
     """The converted-weights folder for this GGUF file and quantisation (keyed by the file's size and
-    modification time), or None when there is nothing to cache."""
+    modification time), or None when there is nothing to cache (or several processes share the job)."""
     if not options.weights_cache_dir or quantize == "none":
+        return None
+    if jax.process_count() > 1:  # orbax saves and restores collectively across processes: keep it simple
         return None
     stat = gguf_path.stat()
     key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{quantize}-{dtype}"

@@ -93,7 +93,7 @@ def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> ja
 
     def whole_vocabulary() -> jax.Array:
         masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
-        return jnp.argmax(masked + gumbel(scaled.shape[-1]), axis=-1).astype(jnp.int32)
+        return greedy_tokens(masked + gumbel(scaled.shape[-1]))
 
     from_vocabulary = jax.lax.cond(jnp.any(wide), whole_vocabulary, lambda: from_candidates)
     return jnp.where(wide, from_vocabulary, from_candidates)
@@ -123,7 +123,7 @@ def sample(logits: jax.Array, seen: jax.Array, s: SlotSampling, steps: jax.Array
     """
     logits = apply_penalties(logits, seen, s)
     greedy = greedy_tokens(logits)
-    # When every slot is greedy (the common serving case) skip the sort and the noise entirely.
+    # When every slot is greedy (the common serving case) skip the top-k and the noise entirely.
     sampled = jax.lax.cond(
         jnp.any(s.temperature > 0),
         lambda: _filtered_sample(logits, s, steps),

@@ -10,8 +10,6 @@ the dequantised weight in bfloat16 [out, in] for products of several rows on CPU
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -49,36 +47,40 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     if not is_quantized(w):
         return x @ w.astype(x.dtype).T
     q, scale = w["q"], w["scale"]
-    rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
+    rows = x2.shape[0]
     if kernels.matmul == "pallas":
-        y = int8_matmul(x.reshape(rows, x.shape[-1]), q, scale, interpret=kernels.interpret)
-        return y.reshape(*x.shape[:-1], q.shape[0])
-    if rows > 1 and kernels.int8_activations:
-        return _int8_activation_linear(x, q, scale)
-    if 1 < rows <= ROWS_AS_VECTORS:  # a few rows: one memory-bound matrix-vector product each
-        x2 = x.reshape(rows, x.shape[-1])
-        y = jnp.concatenate([linear(x2[i : i + 1], w, kernels) for i in range(rows)])
-        return y.reshape(*x.shape[:-1], q.shape[0])
-    if rows > 1 and "bf16" in w:
-        x2 = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
-        y = _dot_nt(x2, w["bf16"], out_type=jnp.float32)
-        return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
-    # Weight-only: XLA fuses the int8 -> float conversion into the product (memory bound at one row).
-    return ((x @ q.T.astype(x.dtype)) * scale.astype(x.dtype)).astype(x.dtype)
+        y = int8_matmul(x2, q, scale, interpret=kernels.interpret)
+    elif rows > 1 and kernels.int8_activations:
+        y = _int8_activation_linear(x2, q, scale)
+    elif rows <= ROWS_AS_VECTORS:
+        # One matrix-vector product per row: XLA fuses the int8 -> float conversion into each (memory bound).
+        y = jnp.concatenate([_weight_only(x2[i : i + 1], q, scale) for i in range(rows)])
+    elif "bf16" in w:
+        y = _dot_nt(x2.astype(jnp.bfloat16), w["bf16"], out_type=jnp.float32)
+    else:
+        y = _weight_only(x2, q, scale)  # the slow form at several rows, for lack of a bf16 copy
+    return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
+
+
+def _weight_only(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [rows, in] . int8 q [out, in] with per-output-channel scales -> [rows, out]."""
+    return (x @ q.T.astype(x.dtype)) * scale.astype(x.dtype)
 
 
 OUTLIER_CHANNELS = 8  # input channels per int8-activation matmul kept in float (LLM.int8()-style)
 
 
 def _int8_activation_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """int8 x int8 -> int32 dot with dynamic per-row activation scales, plus the few input channels with
-    the largest activations (chosen per call, across its rows) multiplied in float.
+    """x [rows, in] -> [rows, out] float32: an int8 x int8 -> int32 dot with dynamic per-row activation
+    scales, plus the few input channels with the largest activations (chosen per call, across its rows)
+    multiplied in float.
 
     LLM activations carry a handful of outlier channels (SmolLM2: 0-7 per layer above |6|); a per-row
     int8 scale set by them crushes every other channel of the row, which changed SmolLM2's answers.
     Taking the top OUTLIER_CHANNELS channels out costs a [rows, 8] x [8, out] product.
     """
-    x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)  # [rows, in]
+    x2 = x.astype(jnp.float32)  # [rows, in]
     _, outliers = jax.lax.top_k(jnp.max(jnp.abs(x2), axis=0), OUTLIER_CHANNELS)  # [k]
     x_out = jnp.take(x2, outliers, axis=1)  # [rows, k]
     x_in = x2.at[:, outliers].set(0.0)
@@ -87,8 +89,7 @@ def _int8_activation_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax
     x_q = jnp.clip(jnp.round(x_in / x_scale), -127, 127).astype(jnp.int8)
     acc = _dot_nt(x_q, q, out_type=jnp.int32).astype(jnp.float32) * x_scale  # [rows, out]
     w_out = jnp.take(q, outliers, axis=1).astype(jnp.float32)  # [out, k]
-    y = (acc + x_out @ w_out.T) * scale
-    return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
+    return (acc + x_out @ w_out.T) * scale
 
 
 def embed(table, tokens: jax.Array, dtype) -> jax.Array:

@@ -7,10 +7,11 @@ Leaves are quantised one at a time on their devices and the float copy is freed 
 memory stays near one float copy.
 
 `add_bf16_copies` gives each int8 leaf a third array, "bf16": the dequantised weight in bfloat16, for
-products of several rows on XLA:CPU. There the int8 form is only fast as a matrix-vector product (one
-row), while a bf16 x bf16 -> f32 dot at 4-512 rows is as fast as an int8 x int8 one without quantising
-the activations (measured on SmolLM2's shapes: 16 rows 29.7 vs 29.2 ms, 128 rows 106 vs 135 ms, before
-the int8 form's outlier handling). It triples the weight memory of the int8 model (still 75% of f32).
+products of more than a few rows on XLA:CPU (kernel_dispatch.ROWS_AS_VECTORS). There the int8 form is
+only fast as a matrix-vector product, while a bf16 x bf16 -> f32 dot at 16-512 rows is as fast as an
+int8 x int8 one without quantising the activations (measured on SmolLM2's shapes: 16 rows 29.7 vs
+29.2 ms, 128 rows 106 vs 135 ms, before the int8 form's outlier handling). It triples the weight
+memory of the int8 model (still 75% of f32).
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ def quantize_params(params: Params, mode: str = "int8") -> Params:
     if mode == "none":
         return params
 
-    def convert(tree: dict) -> dict:
-        return {
-            name: _quantize_leaf(w) if name in QUANTIZED_LEAVES and not is_quantized(w) else w
-            for name, w in tree.items()
-        }
+    return _map_weights(
+        params, lambda name, w: _quantize_leaf(w) if name in QUANTIZED_LEAVES and not is_quantized(w) else w
+    )
 
-    top = convert({k: v for k, v in params.items() if k != "layers"})
-    top["layers"] = [convert(layer) for layer in params["layers"]]
+
+def _map_weights(params: Params, fn) -> Params:
+    """params with fn(name, weight) applied to every named weight, top-level and in each layer."""
+    top = {name: fn(name, w) for name, w in params.items() if name != "layers"}
+    top["layers"] = [{name: fn(name, w) for name, w in layer.items()} for layer in params["layers"]]
     return top
 
 
@@ -66,17 +68,12 @@ def _dequantize_bf16(q: jax.Array, scale: jax.Array) -> jax.Array:
 def add_bf16_copies(params: Params) -> Params:
     """Adds a "bf16" dequantised copy to every int8 weight that lacks one (same sharding as "q")."""
 
-    def convert(tree: dict) -> dict:
-        return {
-            name: {**w, "bf16": _dequantize_bf16(w["q"], w["scale"])}
-            if is_quantized(w) and "bf16" not in w
-            else w
-            for name, w in tree.items()
-        }
+    def copy(name: str, w):
+        if is_quantized(w) and "bf16" not in w:
+            return {**w, "bf16": _dequantize_bf16(w["q"], w["scale"])}
+        return w
 
-    top = convert({k: v for k, v in params.items() if k != "layers"})
-    top["layers"] = [convert(layer) for layer in params["layers"]]
-    return top
+    return _map_weights(params, copy)
 
 
 def weight_bytes(params: Params) -> int:

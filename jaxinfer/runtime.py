@@ -132,7 +132,7 @@ def _load_converted(entry: Path, dtype: str, placement) -> tuple[LoadedModel, To
         return None
     try:
         loaded = load_model(entry, dtype=dtype, placement=placement)
-        tokenizer = Tokenizer.from_hf(entry / "tokenizer")
+        tokenizer = load_tokenizer(loaded)  # an orbax folder: its tokenizer/ subfolder
     except (ModelLoadError, OSError, ValueError) as e:
         log.warning("ignoring the damaged converted weights in %s: %s", entry, e)
         shutil.rmtree(entry, ignore_errors=True)

@@ -10,7 +10,7 @@ Writes at positions >= max_len never reach a real position: inactive slots write
 clobber a slot that is being prefilled in chunks. The position axis holds one spare column past max_len
 that takes those writes and is never read, so every read, even of all max_len positions, is a strict
 slice of the array: reading the whole axis of the buffer being updated in place made XLA copy the
-entire cache once per layer (SmolLM2, 1024 positions: 13 -> 55 ms per decode step).
+entire cache once per layer (SmolLM2 at 1024 positions: 55 ms per decode step instead of 12).
 """
 
 from __future__ import annotations

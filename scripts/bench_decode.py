@@ -26,6 +26,7 @@ import numpy as np
 from jaxinfer.config import CacheConfig
 from jaxinfer.engine import PrefillChunk
 from jaxinfer.jax_engine import JaxEngine
+from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS
 from jaxinfer.request import SamplingParams
 from jaxinfer.runtime import RuntimeOptions, build_runtime
 
@@ -44,13 +45,13 @@ def measure_bandwidth_gbs(megabytes: int = 512) -> float:
 
 
 def step_weight_bytes(params, rows: int) -> int:
-    """Weight bytes one decode step reads: int8 weights with their scales at one row; at several rows the
-    bf16 copies instead where they exist (quantization.add_bf16_copies)."""
+    """Weight bytes one decode step must read once: the int8 weights with their scales up to
+    ROWS_AS_VECTORS rows; past that the bf16 copies where they exist (quantization.add_bf16_copies)."""
 
     def leaf_bytes(w) -> int:
         if not isinstance(w, dict):
             return w.nbytes
-        if rows > 1 and "bf16" in w:
+        if rows > ROWS_AS_VECTORS and "bf16" in w:
             return w["bf16"].nbytes
         return w["q"].nbytes + w["scale"].nbytes
 

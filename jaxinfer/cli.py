@@ -31,7 +31,11 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument(
         "--dtype", default=None, help="weights/activations dtype (default: float32 on CPU, else bf16)"
     )
-    p.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype (default: the weights' dtype)")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="KV cache dtype: float32, bfloat16, int8 (default: bfloat16 on CPU, else the activation dtype)",
+    )
     p.add_argument("--kv-cache-layout", default="bhsd", choices=["bhsd", "bshd"])
     p.add_argument(
         "--max-len", type=int, default=None, help="positions per slot (default: min(context, 2048))"

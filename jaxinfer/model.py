@@ -128,16 +128,15 @@ def _layer(
     if kernels.attention == "pallas" and every_slot and t == 1:
         lengths = jnp.where(write_positions[:, 0] < cache.max_len, positions[:, 0] + 1, 0)
         attn = decode_attention_pallas(
-            q, cache.k, cache.v, lengths, layer=index, attend_len=attend_len, scale=c.attn_scale,
+            q, *cache.arrays(), lengths, layer=index, attend_len=attend_len, scale=c.attn_scale,
             sliding_window=window, softcap=c.attn_logit_softcap, interpret=kernels.interpret,
         )  # fmt: skip
     else:
         keys, values = cache.read(index, read_slots, attend_len)  # [b, kv_heads, attend_len, d]
-        keys, values = keys.astype(q.dtype), values.astype(q.dtype)
         if kernels.attention == "pallas":
             attn = prefill_attention_pallas(
-                q, keys, values, positions[:, 0], scale=c.attn_scale, sliding_window=window,
-                softcap=c.attn_logit_softcap, interpret=kernels.interpret,
+                q, keys.astype(q.dtype), values.astype(q.dtype), positions[:, 0], scale=c.attn_scale,
+                sliding_window=window, softcap=c.attn_logit_softcap, interpret=kernels.interpret,
             )  # fmt: skip
         else:
             attn = attention_xla(q, keys, values, bias, scale=c.attn_scale, softcap=c.attn_logit_softcap)

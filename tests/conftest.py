@@ -118,7 +118,11 @@ def real_runtime():
     def get(name: str):
         if name not in made:
             made[name] = build_runtime(
-                RuntimeOptions(model=name, num_slots=2, max_len=1024, compilation_cache_dir=None)
+                # A float32 cache: compared token for token with the float32 transformers model (the CPU
+                # default, a bfloat16 cache, is checked against a float32 one in test_model.py).
+                RuntimeOptions(
+                    model=name, num_slots=2, max_len=1024, cache_dtype="float32", compilation_cache_dir=None
+                )
             )
         return made[name]
 

@@ -49,36 +49,66 @@ def _full_logits(params, config, tokens: list[int], kernels: KernelConfig = XLA_
 _jit_forward = jax.jit(forward, static_argnames=("config", "attend_len", "all_slots", "kernels"))
 
 
-@pytest.mark.parametrize("layout,dtype", [("bhsd", "float32"), ("bshd", "float32"), ("bhsd", "int8")])
+@pytest.mark.parametrize(
+    "layout,dtype", [("bhsd", "float32"), ("bshd", "float32"), ("bhsd", "int8"), ("bhsd", "bfloat16")]
+)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_cached_decode_equals_full_recompute(arch, layout, dtype):
     config = CONFIGS[arch]
     params = random_params(config, seed=3)
     tokens = list(np.random.default_rng(0).integers(0, config.vocab_size, size=24))
     expected = _full_logits(params, config, tokens)
-    cache = init_cache(config, CacheConfig(num_slots=3, max_len=64, layout=layout, dtype=dtype), make_mesh())
+    # 6 slots: more decode rows than kernel_dispatch.ROWS_AS_VECTORS, so a bfloat16 cache is multiplied
+    # in bfloat16 (attention_xla).
+    slots = 6
+    cache = init_cache(
+        config, CacheConfig(num_slots=slots, max_len=64, layout=layout, dtype=dtype), make_mesh()
+    )
+    if dtype == "bfloat16":
+        assert cache.k.dtype == jnp.uint16  # bit patterns on CPU (kv_cache.py)
 
     def check(got, want):
         if dtype == "float32":
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+        elif dtype == "bfloat16":  # K/V and the decode query rounded to 8 mantissa bits
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
         else:  # int8 rounds each K/V entry to 1/254 of its (token, head) range
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2
 
     prompt = 9  # past Gemma's window of 7 by the end
     logits, cache = forward(
         params, config, jnp.asarray([tokens[:prompt]], jnp.int32), jnp.arange(prompt, dtype=jnp.int32)[None],
-        cache, jnp.array([2], jnp.int32), attend_len=16,
+        cache, jnp.array([slots - 1], jnp.int32), attend_len=16,
     )  # fmt: skip
     check(np.asarray(logits[0]), expected[:prompt])
     for t in range(prompt, len(tokens)):
-        # slot 2 decodes; slots 0 and 1 are inactive (their writes land past the cache and are dropped)
-        step_tokens = jnp.asarray([[5], [6], [tokens[t]]], jnp.int32)
-        positions = jnp.asarray([[64], [64], [t]], jnp.int32)
+        # the last slot decodes; the others are inactive (their writes land past the cache and are dropped)
+        step_tokens = jnp.asarray([[5]] * (slots - 1) + [[tokens[t]]], jnp.int32)
+        positions = jnp.asarray([[64]] * (slots - 1) + [[t]], jnp.int32)
         logits, cache = forward(
-            params, config, step_tokens, positions, cache, jnp.arange(3, dtype=jnp.int32),
+            params, config, step_tokens, positions, cache, jnp.arange(slots, dtype=jnp.int32),
             attend_len=32, all_slots=True,
         )  # fmt: skip
-        check(np.asarray(logits[2, 0]), expected[t])
+        check(np.asarray(logits[-1, 0]), expected[t])
+
+
+def test_bfloat16_cache_is_written_in_place():
+    """XLA:CPU would convert a whole bfloat16 cache to float32 and back around each scatter (~1 s per
+    SmolLM2 step); the bit-pattern storage keeps every cache-sized array out of the program."""
+    config = LLAMA
+    params = random_params(config, seed=3)
+    cache = init_cache(config, CacheConfig(num_slots=6, max_len=64, dtype="bfloat16"), make_mesh())
+    step = jax.jit(
+        lambda params, tokens, positions, cache, slots: forward(
+            params, config, tokens, positions, cache, slots, attend_len=32, all_slots=True
+        ),
+        donate_argnums=(3,),
+    )
+    tokens, positions = jnp.ones((6, 1), jnp.int32), jnp.full((6, 1), 3, jnp.int32)
+    text = step.lower(params, tokens, positions, cache, jnp.arange(6)).compile().as_text()
+    whole = ",".join(map(str, cache.k.shape))
+    assert f"u16[{whole}]" in text
+    assert f"f32[{whole}]" not in text and f"bf16[{whole}]" not in text
 
 
 def _greedy_reference(params, config, prompt: list[int], steps: int) -> list[int]:

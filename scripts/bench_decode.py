@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m]
         [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|none]
+        [--kv-cache-dtype float32|bfloat16|int8]
         [--llama-bench /path/to/llama-bench]
 
 Prints tokens/s for prefill (one prompt of --prefill-len tokens) and decode (each batch size, aggregate,
@@ -60,19 +61,28 @@ def step_weight_bytes(params, rows: int) -> int:
 
 
 def bench_ours(
-    name: str, prompt: list[int], prefill_prompt: list[int], batches: list[int], steps: int, quantize: str
+    name: str,
+    prompt: list[int],
+    prefill_prompt: list[int],
+    batches: list[int],
+    steps: int,
+    quantize: str,
+    cache_dtype: str | None = None,
 ) -> dict:
     """Each batch size runs on an engine with exactly that many slots (a decode step computes every slot)."""
     longest = max(len(prompt) + steps, len(prefill_prompt))
     max_len = 1 << (longest - 1).bit_length()  # a power of two that holds the requests
-    runtime = build_runtime(RuntimeOptions(model=name, num_slots=1, max_len=max_len, quantize=quantize))
+    runtime = build_runtime(
+        RuntimeOptions(model=name, num_slots=1, max_len=max_len, quantize=quantize, cache_dtype=cache_dtype)
+    )
     params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     result: dict = {"path": runtime.model.path, "step_bytes": {}}
+    cache_dtype = runtime.engine.cache_config.dtype  # given, or the CLI's default for this backend
     for batch in batches:
         engine = JaxEngine(
-            params, config, CacheConfig(num_slots=batch, max_len=max_len), mesh=runtime.engine.mesh,
-            kernels=runtime.engine.kernels,
+            params, config, CacheConfig(num_slots=batch, max_len=max_len, dtype=cache_dtype),
+            mesh=runtime.engine.mesh, kernels=runtime.engine.kernels,
         )  # fmt: skip
 
         def prefill(slot: int, tokens: list[int] = prompt, engine: JaxEngine = engine) -> None:
@@ -97,8 +107,9 @@ def bench_ours(
             pending = following
         pending.result()
         result[f"decode{batch}"] = batch * steps / (time.perf_counter() - start)
-        attend = engine._bucket(engine._attend_buckets, len(prompt) + steps)
-        kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend * 4
+        attend = engine.decode_attend_len(batch, len(prompt) + steps)  # the longest a stream reaches
+        kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend
+        kv_bytes *= jnp.dtype(cache_dtype).itemsize
         result["step_bytes"][batch] = step_weight_bytes(params, batch) + batch * kv_bytes
     return result
 
@@ -170,18 +181,25 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="context of each decode stream")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
+    parser.add_argument("--kv-cache-dtype", default=None, help="default: the CLI's (bfloat16 on CPU)")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--llama-bench", default=None, help="path to llama.cpp's llama-bench binary")
     args = parser.parse_args()
 
     bandwidth = measure_bandwidth_gbs()
-    print(f"backend {jax.default_backend()}, weights {args.quantize}, read bandwidth {bandwidth:.1f} GB/s")
+    cache = args.kv_cache_dtype or "default"
+    print(
+        f"backend {jax.default_backend()}, weights {args.quantize}, KV cache {cache}, "
+        f"read bandwidth {bandwidth:.1f} GB/s"
+    )
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(100, 5000, size=args.prompt_len)]
     prefill_prompt = [int(t) for t in rng.integers(100, 5000, size=args.prefill_len)]
     rows = []
     for name in args.models:
-        ours = bench_ours(name, prompt, prefill_prompt, args.batches, args.steps, args.quantize)
+        ours = bench_ours(
+            name, prompt, prefill_prompt, args.batches, args.steps, args.quantize, args.kv_cache_dtype
+        )
         ref = {}
         if not args.no_transformers:
             ref = transformers_in_subprocess(ours["path"], prompt, prefill_prompt, args.batches, args.steps)

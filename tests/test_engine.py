@@ -147,6 +147,25 @@ def test_batched_greedy_equals_each_prompt_alone_and_full_recompute(llama_engine
         assert result.token_ids == _greedy_reference(params, LLAMA, prompt, 12)
 
 
+def test_many_rows_decode_attends_over_midpoint_buckets():
+    """Decode of more than ROWS_AS_VECTORS rows reads 96 positions where fewer rows read 128, with the
+    tokens those prompts get at 2 rows and from a full recompute."""
+    params = random_params(LLAMA, seed=1)
+    engine = JaxEngine(params, LLAMA, CacheConfig(num_slots=8, max_len=128), max_prefill_chunk=32)
+    tok = IdTokenizer(LLAMA.vocab_size)
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    rng = np.random.default_rng(11)
+    prompts = [list(rng.integers(0, 101, size=n)) for n in (70, 66, 75, 68, 72, 80, 71, 69)]
+    batched = generate(engine, tok, prompts, [greedy] * len(prompts))
+    decode_keys = {key for key in engine._programs if key[0] == "decode"}
+    assert ("decode", 96, 8) in decode_keys and ("decode", 128, 8) not in decode_keys
+    alone = generate(engine, tok, prompts[:2], [greedy] * 2)  # 2 rows: power-of-two buckets only
+    assert ("decode", 128, 2) in engine._programs and ("decode", 96, 2) not in engine._programs
+    for result, single in zip(batched, alone):
+        assert result.token_ids == single.token_ids
+    assert batched[0].token_ids == _greedy_reference(params, LLAMA, prompts[0], 10)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_pallas_attention_path_gives_the_xla_tokens(arch):
     config = dataclasses.replace(CONFIGS[arch], head_dim=64)  # the kernels take head dims 64/128/256

@@ -231,6 +231,21 @@ def test_prefill_reports_done_and_context_end(llama_engine):
     assert not engine.decode().result().valid.any()
 
 
+def test_warmup_runs_each_program_without_touching_the_state():
+    params = random_params(LLAMA, seed=1)
+    engine = JaxEngine(params, LLAMA, CacheConfig(num_slots=2, max_len=64), max_prefill_chunk=16)
+    before = jax.tree.map(np.asarray, engine.state)
+    engine.warmup()
+    after = engine.state
+    assert not np.asarray(after.active).any()
+    # Every write dropped: positions past max_len land in the spare column (kv_cache.py), never read.
+    usable = (..., slice(0, after.cache.max_len), slice(None))
+    np.testing.assert_array_equal(np.asarray(after.cache.k)[usable], before.cache.k[usable])
+    np.testing.assert_array_equal(np.asarray(after.cache.v)[usable], before.cache.v[usable])
+    for field in ("lengths", "generated"):  # decode over inactive slots leaves them as they were
+        np.testing.assert_array_equal(np.asarray(getattr(after, field))[1:], getattr(before, field)[1:])
+
+
 def test_cache_is_donated_and_updated_in_place(llama_engine):
     engine, _ = llama_engine
     before = engine.state.cache.k

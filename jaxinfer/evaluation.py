@@ -8,6 +8,7 @@ the text's actual next token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,38 @@ def teacher_forced_logits(
         jnp.zeros(1, jnp.int32), attend_len=t, kernels=kernels,
     )  # fmt: skip
     return np.asarray(logits[0])
+
+
+def teacher_forced_decode_logits(
+    params: Params,
+    config: ModelConfig,
+    tokens: list[int],
+    kernels: KernelConfig,
+    *,
+    rows: int,
+    cache_dtype: str,
+) -> np.ndarray:
+    """[t, vocab] float32 logits of `tokens` fed one decode step at a time to `rows` identical rows, so
+    the path under test is decode at that many rows with that KV cache (e.g. the CPU default: more than
+    four rows multiply a bfloat16 cache in bfloat16)."""
+    t = len(tokens)
+    cache = init_cache(config, CacheConfig(num_slots=rows, max_len=t, dtype=cache_dtype), make_mesh())
+    slots = jnp.arange(rows, dtype=jnp.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(token: jax.Array, cache, position: jax.Array):
+        inputs = jnp.full((rows, 1), token, jnp.int32)
+        positions = jnp.full((rows, 1), position, jnp.int32)
+        logits, cache = forward(
+            params, config, inputs, positions, cache, slots, attend_len=t, all_slots=True, kernels=kernels
+        )
+        return logits[0, 0], cache
+
+    out = []
+    for position, token in enumerate(tokens):
+        logits, cache = step(jnp.int32(token), cache, jnp.int32(position))
+        out.append(logits)
+    return np.asarray(jnp.stack(out))
 
 
 def perplexity(logits: np.ndarray, tokens: list[int]) -> float:

@@ -2,11 +2,10 @@
 
     .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m]
         [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|none]
-        [--kv-cache-dtype float32|bfloat16|int8]
-        [--llama-bench /path/to/llama-bench]
+        [--kv-cache-dtype float32|bfloat16|int8] [--repeats 3] [--llama-bench /path/to/llama-bench]
 
 Prints tokens/s for prefill (one prompt of --prefill-len tokens) and decode (each batch size, aggregate,
-every stream after a --prompt-len prompt), the ratio to transformers
+every stream after a --prompt-len prompt, the median of --repeats runs), the ratio to transformers
 (float32, CPU, KV cache on), and the fraction of the memory-bandwidth roofline decode reaches: every step
 must read all weights once plus the KV cache it attends over, and the bandwidth is measured in this run.
 """
@@ -14,6 +13,7 @@ must read all weights once plus the KV cache it attends over, and the bandwidth 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import subprocess
@@ -68,6 +68,7 @@ def bench_ours(
     steps: int,
     quantize: str,
     cache_dtype: str | None = None,
+    repeats: int = 3,
 ) -> dict:
     """Each batch size runs on an engine with exactly that many slots (a decode step computes every slot)."""
     longest = max(len(prompt) + steps, len(prefill_prompt))
@@ -99,20 +100,30 @@ def bench_ours(
         # Every decode program the streams pass through (attend buckets, row bucket), compiled and run
         # once untimed.
         engine.warmup([len(prompt)] * batch, max_new_tokens=steps + 1)
-        for slot in range(batch):
-            prefill(slot)
-        start = time.perf_counter()
-        pending = engine.decode()
-        for _ in range(steps - 1):
-            following = engine.decode()
+        rates = []
+        for _ in range(repeats):  # the median of a few runs: this shared VM varies 10-30% between runs
+            for slot in range(batch):
+                prefill(slot)
+            start = time.perf_counter()
+            pending = engine.decode()
+            for _ in range(steps - 1):
+                following = engine.decode()
+                pending.result()
+                pending = following
             pending.result()
-            pending = following
-        pending.result()
-        result[f"decode{batch}"] = batch * steps / (time.perf_counter() - start)
+            rates.append(batch * steps / (time.perf_counter() - start))
+            for slot in range(batch):
+                engine.release(slot)
+        result[f"decode{batch}"] = statistics.median(rates)
         attend = engine.decode_attend_len(batch, len(prompt) + steps)  # the longest a stream reaches
         kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend
         kv_bytes *= jnp.dtype(cache_dtype).itemsize
         result["step_bytes"][batch] = step_weight_bytes(params, batch) + batch * kv_bytes
+        # Free this engine's cache and programs before the next: left alive, they slowed the later
+        # batches' steps by ~10% on this 2-core machine.
+        del engine, prefill
+        jax.clear_caches()
+        gc.collect()
     return result
 
 
@@ -182,6 +193,7 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512, help="prompt tokens for the prefill figure")
     parser.add_argument("--prompt-len", type=int, default=128, help="context of each decode stream")
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3, help="decode runs per batch size (median)")
     parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
     parser.add_argument("--kv-cache-dtype", default=None, help="default: the CLI's (bfloat16 on CPU)")
     parser.add_argument("--no-transformers", action="store_true")
@@ -200,8 +212,9 @@ def main() -> None:
     rows = []
     for name in args.models:
         ours = bench_ours(
-            name, prompt, prefill_prompt, args.batches, args.steps, args.quantize, args.kv_cache_dtype
-        )
+            name, prompt, prefill_prompt, args.batches, args.steps, args.quantize, args.kv_cache_dtype,
+            args.repeats,
+        )  # fmt: skip
         ref = {}
         if not args.no_transformers:
             ref = transformers_in_subprocess(ours["path"], prompt, prefill_prompt, args.batches, args.steps)

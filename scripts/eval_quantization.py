@@ -13,7 +13,7 @@ import argparse
 import jax
 
 from jaxinfer.config import KernelConfig
-from jaxinfer.evaluation import EVAL_TEXT, compare, teacher_forced_logits
+from jaxinfer.evaluation import EVAL_TEXT, compare, teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.loading import load_model
 from jaxinfer.quantization import add_bf16_copies, quantize_params, weight_bytes
 from jaxinfer.runtime import load_tokenizer
@@ -44,8 +44,19 @@ def main() -> None:
         "int8 weights, float activations": (KernelConfig(), quantized),
         "int8 weights, int8 activations": (KernelConfig(int8_activations=True), quantized),
     }
-    for name, (form, weights) in forms.items():
-        result = compare(reference, teacher_forced_logits(weights, loaded.config, tokens, form), tokens)
+    candidates = {
+        name: teacher_forced_logits(weights, loaded.config, tokens, form)
+        for name, (form, weights) in forms.items()
+    }
+    # Decode of 16 slots at a time, fed the text one token per step: the path the CPU default serves
+    # with, including its KV cache.
+    for cache_dtype in ("bfloat16", "float32"):
+        name = f"CPU default decoding 16 rows, {cache_dtype} KV cache"
+        candidates[name] = teacher_forced_decode_logits(
+            with_copies, loaded.config, tokens, KernelConfig(), rows=16, cache_dtype=cache_dtype
+        )
+    for name, logits in candidates.items():
+        result = compare(reference, logits, tokens)
         print(
             f"{name}: greedy agreement {result.greedy_agreement:.1%} over {result.positions} positions; "
             f"perplexity {result.reference_perplexity:.3f} -> {result.candidate_perplexity:.3f} "

@@ -13,8 +13,8 @@ must read all weights once plus the KV cache it attends over, and the bandwidth 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -69,6 +69,7 @@ def bench_ours(
     quantize: str,
     cache_dtype: str | None = None,
     repeats: int = 3,
+    measure_prefill: bool = True,
 ) -> dict:
     """Each batch size runs on an engine with exactly that many slots (a decode step computes every slot)."""
     longest = max(len(prompt) + steps, len(prefill_prompt))
@@ -78,7 +79,7 @@ def bench_ours(
     )
     params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    result: dict = {"path": runtime.model.path, "step_bytes": {}}
+    result: dict = {"path": str(runtime.model.path), "step_bytes": {}}
     cache_dtype = runtime.engine.cache_config.dtype  # given, or the CLI's default for this backend
     for batch in batches:
         engine = JaxEngine(
@@ -89,7 +90,7 @@ def bench_ours(
         def prefill(slot: int, tokens: list[int] = prompt, engine: JaxEngine = engine) -> None:
             engine.prefill([PrefillChunk(slot, tokens, 0, greedy, True, tokens)]).result()
 
-        if batch == batches[0]:
+        if measure_prefill and batch == batches[0]:
             prefill(0, prefill_prompt)  # compile
             times = []
             for _ in range(3):
@@ -118,12 +119,7 @@ def bench_ours(
         attend = engine.decode_attend_len(batch, len(prompt) + steps)  # the longest a stream reaches
         kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend
         kv_bytes *= jnp.dtype(cache_dtype).itemsize
-        result["step_bytes"][batch] = step_weight_bytes(params, batch) + batch * kv_bytes
-        # Free this engine's cache and programs before the next: left alive, they slowed the later
-        # batches' steps by ~10% on this 2-core machine.
-        del engine, prefill
-        jax.clear_caches()
-        gc.collect()
+        result["step_bytes"][str(batch)] = step_weight_bytes(params, batch) + batch * kv_bytes
     return result
 
 
@@ -134,6 +130,7 @@ def bench_transformers(
     import transformers
 
     torch.set_num_threads(2)
+    path = pathlib.Path(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
@@ -158,17 +155,16 @@ def bench_transformers(
     return result
 
 
-def transformers_in_subprocess(
-    path, prompt: list[int], prefill_prompt: list[int], batches: list[int], steps: int
-) -> dict:
-    """Runs bench_transformers in a fresh process: XLA's CPU thread pool in this one would compete."""
+def in_subprocess(function: str, *args) -> dict:
+    """bench_decode.<function>(*args) in a fresh Python process (its printed JSON result). Each engine
+    runs alone: XLA's CPU thread pool here would compete with transformers, and a batch size measured
+    after others in one process ran up to ~20% slower on this machine."""
     code = (
-        "import json, sys, pathlib; sys.path.insert(0, 'scripts'); import bench_decode as b; "
-        f"print(json.dumps(b.bench_transformers(pathlib.Path({str(path)!r}), {prompt!r}, {prefill_prompt!r}, "
-        f"{batches!r}, "
-        f"{steps})))"
+        "import json, sys; sys.path.insert(0, 'scripts'); import bench_decode as b; "
+        f"print(json.dumps(b.{function}(*json.loads(sys.argv[1]))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    command = [sys.executable, "-c", code, json.dumps(args)]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -211,13 +207,19 @@ def main() -> None:
     prefill_prompt = [int(t) for t in rng.integers(100, 5000, size=args.prefill_len)]
     rows = []
     for name in args.models:
-        ours = bench_ours(
-            name, prompt, prefill_prompt, args.batches, args.steps, args.quantize, args.kv_cache_dtype,
-            args.repeats,
-        )  # fmt: skip
+        ours: dict = {"step_bytes": {}}
+        for i, batch in enumerate(args.batches):  # prefill measured with the first
+            one = in_subprocess(
+                "bench_ours", name, prompt, prefill_prompt, [batch], args.steps, args.quantize,
+                args.kv_cache_dtype, args.repeats, i == 0,
+            )  # fmt: skip
+            ours["step_bytes"].update(one.pop("step_bytes"))
+            ours.update(one)
         ref = {}
         if not args.no_transformers:
-            ref = transformers_in_subprocess(ours["path"], prompt, prefill_prompt, args.batches, args.steps)
+            ref = in_subprocess(
+                "bench_transformers", ours["path"], prompt, prefill_prompt, args.batches, args.steps
+            )
         lcpp = {}
         if args.llama_bench:
             lcpp = bench_llama_cpp(args.llama_bench, ours["path"], args.prefill_len, args.steps)
@@ -232,7 +234,7 @@ def main() -> None:
             )
         )
         for b in args.batches:
-            roofline = b * bandwidth * 1e9 / ours["step_bytes"][b]
+            roofline = b * bandwidth * 1e9 / ours["step_bytes"][str(b)]
             key = f"decode{b}"
             rows.append(
                 (name, f"decode batch {b}", ours[key], ref.get(key), lcpp.get(key), ours[key] / roofline)

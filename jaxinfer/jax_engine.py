@@ -452,10 +452,8 @@ class JaxEngine(api.Engine):
                 for begin in range(0, n, chunk):
                     t = self._bucket(self._prefill_buckets, min(chunk, n - begin))
                     prefill.add((t, self._prefill_attend_len(begin, t)))
-            shortest, longest = (
-                min(prompt_lengths),
-                min(max(prompt_lengths) + max_new_tokens, self.max_seq_len),
-            )
+            shortest = min(prompt_lengths)
+            longest = min(max(prompt_lengths) + max_new_tokens, self.max_seq_len)
             most_rows = self._bucket(self._row_buckets, min(len(prompt_lengths), self.num_slots))
             decode = set()
             for rows in (r for r in self._row_buckets if r <= most_rows):

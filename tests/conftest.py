@@ -119,7 +119,7 @@ def real_runtime():
         if name not in made:
             made[name] = build_runtime(
                 # A float32 cache: compared token for token with the float32 transformers model (the CPU
-                # default, a bfloat16 cache, is checked against a float32 one in test_model.py).
+                # default bfloat16 cache is checked in test_engine.py and test_quantization.py).
                 RuntimeOptions(
                     model=name, num_slots=2, max_len=1024, cache_dtype="float32", compilation_cache_dir=None
                 )

@@ -154,8 +154,10 @@ def test_candidate_and_whole_vocabulary_paths_past_the_candidate_count():
     assert abs(np.isin(tokens, tail).mean() - tail_mass) < 0.007, tail_mass
 
 
-@pytest.mark.parametrize("shape", [(3, 1000), (9, 1 << 18)])  # both forms: two passes, then argmax
+# Blocks of 8 (1000 = 8 x 125: too small, plain two passes), 1024 (Gemma's 262k), 256 (Llama 3's 128256).
+@pytest.mark.parametrize("shape", [(3, 1000), (9, 1 << 18), (5, 128256)])
 def test_greedy_tokens_is_the_first_argmax(shape):
     logits = np.random.default_rng(2).normal(size=shape).astype(np.float32)
-    logits[0, [5, 17]] = 50.0  # a tie: the first index wins, as in np.argmax
+    logits[0, [5, 17]] = 50.0  # a tie inside one block: the first index wins, as in np.argmax
+    logits[1, [shape[1] // 3, shape[1] // 2]] = 50.0  # a tie across blocks
     np.testing.assert_array_equal(np.asarray(jax.jit(greedy_tokens)(logits)), np.argmax(logits, axis=-1))

@@ -64,14 +64,15 @@ def bench_ours(
     name: str,
     prompt: list[int],
     prefill_prompt: list[int],
-    batches: list[int],
+    batch: int,
     steps: int,
     quantize: str,
     cache_dtype: str | None = None,
     repeats: int = 3,
     measure_prefill: bool = True,
 ) -> dict:
-    """Each batch size runs on an engine with exactly that many slots (a decode step computes every slot)."""
+    """One batch size on an engine with exactly that many slots (a decode step computes every slot):
+    {"path", "decode": aggregate tok/s, "step_bytes": bytes a step reads, "prefill": tok/s if measured}."""
     longest = max(len(prompt) + steps, len(prefill_prompt))
     max_len = 1 << (longest - 1).bit_length()  # a power of two that holds the requests
     runtime = build_runtime(
@@ -79,47 +80,46 @@ def bench_ours(
     )
     params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    result: dict = {"path": str(runtime.model.path), "step_bytes": {}}
+    result: dict = {"path": str(runtime.model.path)}
     cache_dtype = runtime.engine.cache_config.dtype  # given, or the CLI's default for this backend
-    for batch in batches:
-        engine = JaxEngine(
-            params, config, CacheConfig(num_slots=batch, max_len=max_len, dtype=cache_dtype),
-            mesh=runtime.engine.mesh, kernels=runtime.engine.kernels,
-        )  # fmt: skip
+    engine = JaxEngine(
+        params, config, CacheConfig(num_slots=batch, max_len=max_len, dtype=cache_dtype),
+        mesh=runtime.engine.mesh, kernels=runtime.engine.kernels,
+    )  # fmt: skip
 
-        def prefill(slot: int, tokens: list[int] = prompt, engine: JaxEngine = engine) -> None:
-            engine.prefill([PrefillChunk(slot, tokens, 0, greedy, True, tokens)]).result()
+    def prefill(slot: int, tokens: list[int] = prompt) -> None:
+        engine.prefill([PrefillChunk(slot, tokens, 0, greedy, True, tokens)]).result()
 
-        if measure_prefill and batch == batches[0]:
-            prefill(0, prefill_prompt)  # compile
-            times = []
-            for _ in range(3):
-                start = time.perf_counter()
-                prefill(0, prefill_prompt)
-                times.append(time.perf_counter() - start)
-            result["prefill"] = len(prefill_prompt) / statistics.median(times)
-        # Every decode program the streams pass through (attend buckets, row bucket), compiled and run
-        # once untimed.
-        engine.warmup([len(prompt)] * batch, max_new_tokens=steps + 1)
-        rates = []
-        for _ in range(repeats):  # the median of a few runs: this shared VM varies 10-30% between runs
-            for slot in range(batch):
-                prefill(slot)
+    if measure_prefill:
+        prefill(0, prefill_prompt)  # compile
+        times = []
+        for _ in range(3):
             start = time.perf_counter()
-            pending = engine.decode()
-            for _ in range(steps - 1):
-                following = engine.decode()
-                pending.result()
-                pending = following
+            prefill(0, prefill_prompt)
+            times.append(time.perf_counter() - start)
+        result["prefill"] = len(prefill_prompt) / statistics.median(times)
+    # Every decode program the streams pass through (attend buckets, row bucket), compiled and run once
+    # untimed.
+    engine.warmup([len(prompt)] * batch, max_new_tokens=steps + 1)
+    rates = []
+    for _ in range(repeats):  # the median of a few runs: this shared VM varies 10-30% between runs
+        for slot in range(batch):
+            prefill(slot)
+        start = time.perf_counter()
+        pending = engine.decode()
+        for _ in range(steps - 1):
+            following = engine.decode()
             pending.result()
-            rates.append(batch * steps / (time.perf_counter() - start))
-            for slot in range(batch):
-                engine.release(slot)
-        result[f"decode{batch}"] = statistics.median(rates)
-        attend = engine.decode_attend_len(batch, len(prompt) + steps)  # the longest a stream reaches
-        kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend
-        kv_bytes *= jnp.dtype(cache_dtype).itemsize
-        result["step_bytes"][str(batch)] = step_weight_bytes(params, batch) + batch * kv_bytes
+            pending = following
+        pending.result()
+        rates.append(batch * steps / (time.perf_counter() - start))
+        for slot in range(batch):
+            engine.release(slot)
+    result["decode"] = statistics.median(rates)
+    attend = engine.decode_attend_len(batch, len(prompt) + steps)  # the longest a stream reaches
+    kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend
+    kv_bytes *= jnp.dtype(cache_dtype).itemsize
+    result["step_bytes"] = step_weight_bytes(params, batch) + batch * kv_bytes
     return result
 
 
@@ -207,37 +207,52 @@ def main() -> None:
     prefill_prompt = [int(t) for t in rng.integers(100, 5000, size=args.prefill_len)]
     rows = []
     for name in args.models:
-        ours: dict = {"step_bytes": {}}
-        for i, batch in enumerate(args.batches):  # prefill measured with the first
-            one = in_subprocess(
-                "bench_ours", name, prompt, prefill_prompt, [batch], args.steps, args.quantize,
-                args.kv_cache_dtype, args.repeats, i == 0,
+        ours = {  # batch size -> its result; prefill measured with the first
+            batch: in_subprocess(
+                "bench_ours",
+                name,
+                prompt,
+                prefill_prompt,
+                batch,
+                args.steps,
+                args.quantize,
+                args.kv_cache_dtype,
+                args.repeats,
+                i == 0,
             )  # fmt: skip
-            ours["step_bytes"].update(one.pop("step_bytes"))
-            ours.update(one)
+            for i, batch in enumerate(args.batches)
+        }
+        first = ours[args.batches[0]]
         ref = {}
         if not args.no_transformers:
             ref = in_subprocess(
-                "bench_transformers", ours["path"], prompt, prefill_prompt, args.batches, args.steps
+                "bench_transformers", first["path"], prompt, prefill_prompt, args.batches, args.steps
             )
         lcpp = {}
         if args.llama_bench:
-            lcpp = bench_llama_cpp(args.llama_bench, ours["path"], args.prefill_len, args.steps)
+            lcpp = bench_llama_cpp(args.llama_bench, first["path"], args.prefill_len, args.steps)
         rows.append(
             (
                 name,
                 f"prefill {args.prefill_len}",
-                ours["prefill"],
+                first["prefill"],
                 ref.get("prefill"),
                 lcpp.get("prefill"),
                 None,
             )
         )
-        for b in args.batches:
-            roofline = b * bandwidth * 1e9 / ours["step_bytes"][str(b)]
+        for b, one in ours.items():
+            roofline = b * bandwidth * 1e9 / one["step_bytes"]
             key = f"decode{b}"
             rows.append(
-                (name, f"decode batch {b}", ours[key], ref.get(key), lcpp.get(key), ours[key] / roofline)
+                (
+                    name,
+                    f"decode batch {b}",
+                    one["decode"],
+                    ref.get(key),
+                    lcpp.get(key),
+                    one["decode"] / roofline,
+                )
             )
 
     header = f"{'model':<24}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}{'ratio':>8}"

@@ -11,6 +11,8 @@ from typing import Literal
 
 import jax.numpy as jnp
 
+from jaxinfer.cpu_kernels import vnni_available
+
 Arch = Literal["llama", "gemma3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 Activation = Literal["silu", "gelu_tanh"]
@@ -96,7 +98,9 @@ class KernelConfig:
 
     attention: "xla" (plain JAX, the reference path) or "pallas" (pallas_kernels: flash attention for
         prefill, decode attention over the whole cache; needs the "bhsd" layout and a float cache).
-    matmul: "xla" or "pallas" (the int8 weight kernel) for int8 weights; float weights always use XLA.
+    matmul: "xla", "pallas" (the int8 weight kernel) or "vnni" (the C++ AVX-512 VNNI kernel of
+        jaxinfer.cpu_kernels, for products of more than ROWS_AS_VECTORS rows of int8 weights on x86 CPUs;
+        the weights need their packed form, quantization.add_vnni_weights). Float weights always use XLA.
     int8_activations: for int8 weights at more than one row, quantise activations per row to int8 and
         run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there;
         without this flag, a bf16 weight copy serves several rows there, see quantization.py).
@@ -104,23 +108,26 @@ class KernelConfig:
     """
 
     attention: Literal["xla", "pallas"] = "xla"
-    matmul: Literal["xla", "pallas"] = "xla"
+    matmul: Literal["xla", "pallas", "vnni"] = "xla"
     int8_activations: bool = False
     interpret: bool = False
 
     @classmethod
-    def for_backend(cls, backend: str, attention: str = "auto") -> KernelConfig:
-        """`auto` picks the fastest correct path: Pallas kernels on TPU/GPU, XLA on CPU."""
+    def for_backend(
+        cls, backend: str, attention: str = "auto", *, single_device: bool = True
+    ) -> KernelConfig:
+        """`auto` picks the fastest correct path: Pallas kernels on TPU/GPU; on CPU, XLA attention and the
+        VNNI matmul kernel where the CPU has it (one device: the custom call has no sharding rule)."""
         if attention not in ("auto", "xla", "pallas"):
             raise ValueError(f"attention implementation must be auto, xla or pallas, got {attention!r}")
         accelerated = backend in ("tpu", "gpu", "cuda", "rocm")
         if attention == "auto":
             attention = "pallas" if accelerated else "xla"
-        return cls(
-            attention=attention,
-            matmul="pallas" if accelerated else "xla",
-            interpret=not accelerated,
-        )
+        if accelerated:
+            matmul = "pallas"
+        else:
+            matmul = "vnni" if single_device and backend == "cpu" and vnni_available() else "xla"
+        return cls(attention=attention, matmul=matmul, interpret=not accelerated)
 
 
 @dataclasses.dataclass(frozen=True)

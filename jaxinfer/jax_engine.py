@@ -234,14 +234,16 @@ class JaxEngine(api.Engine):
         min_attend_bucket: int = 64,
         kernels: KernelConfig | None = None,
     ):
-        self.kernels = kernels or KernelConfig.for_backend(jax.default_backend(), "xla")
+        self.mesh = mesh or make_mesh()
+        self.kernels = kernels or KernelConfig.for_backend(
+            jax.default_backend(), "xla", single_device=self.mesh.size == 1
+        )
         if self.kernels.attention == "pallas" and (
             cache_config.layout != "bhsd" or cache_config.dtype == "int8"
         ):
             raise ValueError("the Pallas attention kernels need a float KV cache in the 'bhsd' layout")
         self.config = config
         self.cache_config = cache_config
-        self.mesh = mesh or make_mesh()
         # Weights on their PARAM_RULES shardings (a no-op when loaded with sharding.param_placement).
         self.params = shard_params(params, self.mesh)
         max_len = cache_config.max_len

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig
+from jaxinfer.cpu_kernels import int8_matmul_vnni
 from pallas_kernels import decode_attention, flash_attention, int8_matmul
 
 MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
@@ -56,6 +57,8 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     elif rows <= ROWS_AS_VECTORS:
         # One matrix-vector product per row: XLA fuses the int8 -> float conversion into each (memory bound).
         y = jnp.concatenate([_weight_only(x2[i : i + 1], q, scale) for i in range(rows)])
+    elif kernels.matmul == "vnni" and "vnni" in w:
+        y = int8_matmul_vnni(x2, w["vnni"], scale)
     elif "bf16" in w:
         y = _dot_nt(x2.astype(jnp.bfloat16), w["bf16"], out_type=jnp.float32)
     else:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.cpu_kernels import pack_weight
+from jaxinfer.cpu_kernels import supports as supports_vnni
 from jaxinfer.kernel_dispatch import is_quantized
 from jaxinfer.params import Params
 from pallas_kernels import quantize_int8
@@ -74,6 +76,25 @@ def add_bf16_copies(params: Params) -> Params:
         return w
 
     return _map_weights(params, copy)
+
+
+_pack_vnni = jax.jit(pack_weight)
+
+
+def add_vnni_weights(params: Params) -> Params:
+    """Adds "vnni", the weight packed for the CPU VNNI kernel (cpu_kernels.int8_matmul_vnni), to every
+    int8 weight whose shape that kernel takes, and a "bf16" copy to the others: the forms that serve
+    products of several rows with KernelConfig(matmul="vnni"). Packing reorders the int8 bytes, so the
+    weights take twice the int8 model's memory (the bf16 copies took three times)."""
+
+    def add(name: str, w):
+        if not is_quantized(w) or "vnni" in w:
+            return w
+        if supports_vnni(*w["q"].shape):
+            return {**w, "vnni": _pack_vnni(w["q"])}
+        return {**w, "bf16": _dequantize_bf16(w["q"], w["scale"])} if "bf16" not in w else w
+
+    return _map_weights(params, add)
 
 
 def weight_bytes(params: Params) -> int:

@@ -21,7 +21,13 @@ from jaxinfer.loading import LoadedModel, ModelLoadError, load_gguf, load_model
 from jaxinfer.loading.gguf_loader import open_gguf
 from jaxinfer.loading.orbax_checkpoint import MODEL_FILE
 from jaxinfer.params import fuse_projections
-from jaxinfer.quantization import add_bf16_copies, quantization_of, quantize_params, weight_bytes
+from jaxinfer.quantization import (
+    add_bf16_copies,
+    add_vnni_weights,
+    quantization_of,
+    quantize_params,
+    weight_bytes,
+)
 from jaxinfer.registry import DEFAULT_MODEL, resolve_model
 from jaxinfer.sharding import TENSOR, make_mesh, param_placement
 from jaxinfer.tokenizer import Tokenizer
@@ -211,10 +217,15 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         dtype=default_cache_dtype(options.cache_dtype, dtype),
         layout=options.cache_layout,
     )
-    kernels = KernelConfig.for_backend(jax.default_backend(), options.attention_impl)
+    kernels = KernelConfig.for_backend(
+        jax.default_backend(), options.attention_impl, single_device=mesh.size == 1
+    )
     kernels = dataclasses.replace(kernels, int8_activations=options.int8_activations)
-    if kernels.matmul == "xla" and not kernels.int8_activations and quantization_of(loaded.params) == "int8":
-        loaded = dataclasses.replace(loaded, params=add_bf16_copies(loaded.params))
+    if not kernels.int8_activations and quantization_of(loaded.params) == "int8":
+        if kernels.matmul == "vnni":
+            loaded = dataclasses.replace(loaded, params=add_vnni_weights(loaded.params))
+        elif kernels.matmul == "xla":
+            loaded = dataclasses.replace(loaded, params=add_bf16_copies(loaded.params))
     engine = JaxEngine(
         loaded.params,
         loaded.config,

@@ -15,7 +15,7 @@ import jax
 from jaxinfer.config import KernelConfig
 from jaxinfer.evaluation import EVAL_TEXT, compare, teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.loading import load_model
-from jaxinfer.quantization import add_bf16_copies, quantize_params, weight_bytes
+from jaxinfer.quantization import add_bf16_copies, add_vnni_weights, quantize_params, weight_bytes
 from jaxinfer.runtime import load_tokenizer
 
 
@@ -37,13 +37,21 @@ def main() -> None:
     print(f"weights: float32 {float_bytes / 2**20:.1f} MiB -> int8 {int8_bytes / 2**20:.1f} MiB "
           f"({int8_bytes / float_bytes:.1%})")  # fmt: skip
     with_copies = add_bf16_copies(quantized)
-    print(f"with the bf16 copies for several rows (CPU default): {weight_bytes(with_copies) / 2**20:.1f} MiB "
+    print(f"with the bf16 copies for several rows: {weight_bytes(with_copies) / 2**20:.1f} MiB "
           f"({weight_bytes(with_copies) / float_bytes:.1%})")  # fmt: skip
     forms = {
-        "int8 weights; several rows in bf16 (CPU default)": (KernelConfig(), with_copies),
+        "int8 weights; several rows in bf16": (KernelConfig(), with_copies),
         "int8 weights, float activations": (KernelConfig(), quantized),
         "int8 weights, int8 activations": (KernelConfig(int8_activations=True), quantized),
     }
+    default_name, default = "int8 weights; several rows in bf16 (CPU default)", (KernelConfig(), with_copies)
+    if kernels.matmul == "vnni":
+        packed = add_vnni_weights(quantized)
+        print(f"with the weights packed for the VNNI kernel: {weight_bytes(packed) / 2**20:.1f} MiB "
+              f"({weight_bytes(packed) / float_bytes:.1%})")  # fmt: skip
+        default_name = "int8 weights; several rows through the VNNI kernel (CPU default)"
+        default = (kernels, packed)
+    forms[default_name] = default
     candidates = {
         name: teacher_forced_logits(weights, loaded.config, tokens, form)
         for name, (form, weights) in forms.items()
@@ -53,7 +61,7 @@ def main() -> None:
     for cache_dtype in ("bfloat16", "float32"):
         name = f"CPU default decoding 16 rows, {cache_dtype} KV cache"
         candidates[name] = teacher_forced_decode_logits(
-            with_copies, loaded.config, tokens, KernelConfig(), rows=16, cache_dtype=cache_dtype
+            default[1], loaded.config, tokens, default[0], rows=16, cache_dtype=cache_dtype
         )
     for name, logits in candidates.items():
         result = compare(reference, logits, tokens)

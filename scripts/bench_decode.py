@@ -47,7 +47,8 @@ def measure_bandwidth_gbs(megabytes: int = 512) -> float:
 
 def step_weight_bytes(params, rows: int) -> int:
     """Weight bytes one decode step must read once: the int8 weights with their scales up to
-    ROWS_AS_VECTORS rows; past that the bf16 copies where they exist (quantization.add_bf16_copies)."""
+    ROWS_AS_VECTORS rows; past that the bf16 copies where they exist (quantization.add_bf16_copies;
+    the VNNI kernel reads its packed int8 weights, as many bytes as the int8 ones)."""
 
     def leaf_bytes(w) -> int:
         if not isinstance(w, dict):

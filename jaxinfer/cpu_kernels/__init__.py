@@ -4,8 +4,16 @@ from jaxinfer.cpu_kernels.int8_matmul_vnni import (
     int8_matmul_vnni,
     int8_matmul_vnni_reference,
     pack_weight,
+    quantize_activations,
     supports,
     vnni_available,
 )
 
-__all__ = ["int8_matmul_vnni", "int8_matmul_vnni_reference", "pack_weight", "supports", "vnni_available"]
+__all__ = [
+    "int8_matmul_vnni",
+    "int8_matmul_vnni_reference",
+    "pack_weight",
+    "quantize_activations",
+    "supports",
+    "vnni_available",
+]

@@ -1,0 +1,107 @@
+"""The C++ VNNI int8 matmul (jaxinfer.cpu_kernels) against its plain-JAX reference and the float product."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import KernelConfig
+from jaxinfer.cpu_kernels import (
+    int8_matmul_vnni,
+    int8_matmul_vnni_reference,
+    pack_weight,
+    quantize_activations,
+    supports,
+    vnni_available,
+)
+from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS, linear
+from jaxinfer.quantization import add_vnni_weights, quantize_params
+from pallas_kernels import dequantize_int8, quantize_int8
+
+needs_vnni = pytest.mark.skipif(not vnni_available(), reason="needs an x86-64 CPU with AVX-512 VNNI and g++")
+
+
+def _rel(a, b) -> float:
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _problem(rows: int, out_features: int, in_features: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.normal(size=(out_features, in_features)), jnp.float32)
+    x = rng.normal(size=(rows, in_features))
+    x[:, 5] *= 30.0  # an outlier channel, as LLM activations have
+    q, scale = quantize_int8(w)
+    return jnp.asarray(x, jnp.float32), w, q, scale
+
+
+def test_packed_weight_holds_every_byte_in_the_vpdpbusd_layout():
+    q = jnp.asarray(np.random.default_rng(0).integers(-127, 128, size=(48, 96)), jnp.int8)
+    packed = np.asarray(pack_weight(q))  # [out/16, in/4, 16, 4]
+    assert packed.shape == (3, 24, 16, 4) and packed.dtype == np.uint8
+    # byte (block, k4, lane, j) is q[16 * block + lane, 4 * k4 + j] + 128
+    assert packed[2, 7, 5, 3] == int(q[2 * 16 + 5, 4 * 7 + 3]) + 128
+    unpacked = packed.transpose(0, 2, 1, 3).reshape(48, 96).astype(np.int16) - 128
+    np.testing.assert_array_equal(unpacked, np.asarray(q))
+
+
+def test_supported_shapes():
+    assert supports(262144, 640) and supports(960, 576) and supports(16, 32)
+    assert not supports(100, 64) and not supports(96, 48)
+
+
+@needs_vnni
+# Odd row counts (row groups of 4 and every remainder), odd numbers of 16-output blocks (the single-block
+# tail), several activation blocks, and an output wide enough to be split over the thread pool.
+@pytest.mark.parametrize(
+    "rows,out_features,in_features", [(1, 48, 96), (3, 80, 160), (6, 16, 32), (17, 4112, 224)]
+)
+def test_kernel_matches_its_reference_and_the_float_product(rows, out_features, in_features):
+    x, w, q, scale = _problem(rows, out_features, in_features)
+    got = jax.jit(int8_matmul_vnni)(x, pack_weight(q), scale)
+    assert got.shape == (rows, out_features) and got.dtype == jnp.float32
+    # Same integer products and the same scales: only the float summation order may differ.
+    assert _rel(got, int8_matmul_vnni_reference(x, q, scale)) < 1e-6
+    # Against the float weight: int8 weights and int8 activation blocks together stay within ~1%.
+    assert _rel(got, x @ w.T) < 2e-2
+
+
+@needs_vnni
+def test_activation_blocks_confine_an_outlier_to_its_block():
+    # One outlier channel (x200) sets the scale of its row: per-row scales round the other 511 channels to
+    # a few levels, blocks of 32 only the 31 sharing its block (error ~sqrt(31/511) ~ 0.25 as large).
+    x, _, q, scale = _problem(5, 64, 512, seed=1)
+    x = x.at[:, 5].multiply(200.0 / 30.0)
+    dequantised = dequantize_int8(q, scale)
+    reference = x @ dequantised.T
+    ordinary = x.at[:, 5].set(0.0) @ dequantised.T  # what the other channels contribute
+
+    def error(y):
+        return float(jnp.linalg.norm(y - reference) / jnp.linalg.norm(ordinary))
+
+    x_q, x_scale, _ = quantize_activations(x, 1)  # one scale per row
+    per_row = (x_q * x_scale).astype(jnp.float32) @ dequantised.T
+    got = jax.jit(int8_matmul_vnni)(x, pack_weight(q), scale)
+    assert error(got) < 0.4 * error(per_row), (error(got), error(per_row))
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [ROWS_AS_VECTORS, ROWS_AS_VECTORS + 1, 9])
+def test_linear_routes_several_rows_to_the_kernel(rows):
+    x, w, _, _ = _problem(rows, 96, 64)
+    weight = add_vnni_weights(quantize_params({"layers": [], "q_proj": jnp.array(w)}))["q_proj"]
+    assert weight["vnni"].dtype == jnp.uint8 and "bf16" not in weight
+    kernels = KernelConfig(matmul="vnni")
+    got = jax.jit(lambda x, w: linear(x, w, kernels))(x, weight)
+    weight_only = x @ dequantize_int8(weight["q"], weight["scale"]).T
+    if rows <= ROWS_AS_VECTORS:  # matrix-vector products of the int8 weight: exact up to float rounding
+        assert _rel(got, weight_only) < 1e-5
+    else:
+        assert _rel(got, int8_matmul_vnni_reference(x, weight["q"], weight["scale"])) < 1e-6
+
+
+def test_weights_the_kernel_cannot_take_get_a_bf16_copy():
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(40, 64)), jnp.float32)  # 40 outputs: not 16k
+    weight = add_vnni_weights(quantize_params({"layers": [], "q_proj": w}))["q_proj"]
+    assert "vnni" not in weight and weight["bf16"].dtype == jnp.bfloat16

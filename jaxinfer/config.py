@@ -99,7 +99,7 @@ class KernelConfig:
     attention: "xla" (plain JAX, the reference path) or "pallas" (pallas_kernels: flash attention for
         prefill, decode attention over the whole cache; needs the "bhsd" layout and a float cache).
     matmul: "xla", "pallas" (the int8 weight kernel) or "vnni" (the C++ AVX-512 VNNI kernel of
-        jaxinfer.cpu_kernels, for products of more than ROWS_AS_VECTORS rows of int8 weights on x86 CPUs;
+        jaxinfer.cpu_kernels, for products of two or more rows of int8 weights on x86 CPUs;
         the weights need their packed form, quantization.add_vnni_weights). Float weights always use XLA.
     int8_activations: for int8 weights at more than one row, quantise activations per row to int8 and
         run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there;

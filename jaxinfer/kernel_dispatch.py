@@ -20,9 +20,11 @@ from pallas_kernels import decode_attention, flash_attention, int8_matmul
 MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
 
 
-# Up to this many rows, an int8 product runs as one matrix-vector product per row: each reads the int8
-# weights at ~28 GB/s, which beats the bf16 copy's dot up to 4 rows (SmolLM2 decode step, 2 rows: 15.2
-# vs 23.9 ms; 4 rows: 21.3 vs 27.6; 8 rows: 37.5 vs 33.5) and keeps those rows' results batch-invariant.
+# Without the VNNI kernel, up to this many rows an int8 product runs as one matrix-vector product per
+# row: each reads the int8 weights at ~28 GB/s, which beats the bf16 copy's dot up to 4 rows (SmolLM2
+# decode step, 2 rows: 15.2 vs 23.9 ms; 4 rows: 21.3 vs 27.6; 8 rows: 37.5 vs 33.5). The VNNI kernel
+# reads the weights once for all rows and takes over from 2 rows (SmolLM2 2 / 4 streams: 131 -> 200 /
+# 202 -> 296 tokens/s); at one row the matrix-vector product stays faster (126-142 vs 109 tokens/s).
 ROWS_AS_VECTORS = 4
 
 
@@ -54,11 +56,11 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
         y = int8_matmul(x2, q, scale, interpret=kernels.interpret)
     elif rows > 1 and kernels.int8_activations:
         y = _int8_activation_linear(x2, q, scale)
+    elif kernels.matmul == "vnni" and "vnni" in w and rows > 1:
+        y = int8_matmul_vnni(x2, w["vnni"], scale)
     elif rows <= ROWS_AS_VECTORS:
         # One matrix-vector product per row: XLA fuses the int8 -> float conversion into each (memory bound).
         y = jnp.concatenate([_weight_only(x2[i : i + 1], q, scale) for i in range(rows)])
-    elif kernels.matmul == "vnni" and "vnni" in w:
-        y = int8_matmul_vnni(x2, w["vnni"], scale)
     elif "bf16" in w:
         y = _dot_nt(x2.astype(jnp.bfloat16), w["bf16"], out_type=jnp.float32)
     else:

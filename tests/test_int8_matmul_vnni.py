@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,9 +18,12 @@ from jaxinfer.cpu_kernels import (
     supports,
     vnni_available,
 )
-from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS, linear
+from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
+from jaxinfer.kernel_dispatch import linear
+from jaxinfer.params import fuse_projections, random_params
 from jaxinfer.quantization import add_vnni_weights, quantize_params
 from pallas_kernels import dequantize_int8, quantize_int8
+from tests.test_engine import CONFIGS
 
 needs_vnni = pytest.mark.skipif(not vnni_available(), reason="needs an x86-64 CPU with AVX-512 VNNI and g++")
 
@@ -87,7 +92,7 @@ def test_activation_blocks_confine_an_outlier_to_its_block():
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows", [ROWS_AS_VECTORS, ROWS_AS_VECTORS + 1, 9])
+@pytest.mark.parametrize("rows", [1, 2, 9])
 def test_linear_routes_several_rows_to_the_kernel(rows):
     x, w, _, _ = _problem(rows, 96, 64)
     weight = add_vnni_weights(quantize_params({"layers": [], "q_proj": jnp.array(w)}))["q_proj"]
@@ -95,7 +100,7 @@ def test_linear_routes_several_rows_to_the_kernel(rows):
     kernels = KernelConfig(matmul="vnni")
     got = jax.jit(lambda x, w: linear(x, w, kernels))(x, weight)
     weight_only = x @ dequantize_int8(weight["q"], weight["scale"]).T
-    if rows <= ROWS_AS_VECTORS:  # matrix-vector products of the int8 weight: exact up to float rounding
+    if rows == 1:  # a matrix-vector product of the int8 weight: exact up to float rounding
         assert _rel(got, weight_only) < 1e-5
     else:
         assert _rel(got, int8_matmul_vnni_reference(x, weight["q"], weight["scale"])) < 1e-6
@@ -105,3 +110,28 @@ def test_weights_the_kernel_cannot_take_get_a_bf16_copy():
     w = jnp.asarray(np.random.default_rng(0).normal(size=(40, 64)), jnp.float32)  # 40 outputs: not 16k
     weight = add_vnni_weights(quantize_params({"layers": [], "q_proj": w}))["q_proj"]
     assert "vnni" not in weight and weight["bf16"].dtype == jnp.bfloat16
+
+
+@needs_vnni
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_decode_through_the_kernel_matches_recompute_at_any_batch(arch):
+    config = dataclasses.replace(CONFIGS[arch], vocab_size=112)  # 112 outputs: the kernel takes every weight
+    float_params = random_params(config, seed=3)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, size=20)]
+    reference = teacher_forced_logits(float_params, config, tokens, KernelConfig())
+    params = add_vnni_weights(quantize_params(fuse_projections(random_params(config, seed=3))))
+    assert "vnni" in params["layers"][0]["qkv_proj"] and "vnni" in params["embed"]
+    kernels = KernelConfig(matmul="vnni")
+    full = teacher_forced_logits(params, config, tokens, kernels)  # 20 rows through the kernel
+    decoded = {
+        rows: teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype="float32")
+        for rows in (2, 6)
+    }
+    # Each row is quantised and multiplied on its own, in the same order in any row group: the batch size
+    # changes nothing, bit for bit (without the kernel, 2 rows run as matrix-vector products and 6 through
+    # the bf16 copies: their logits differ by up to ~0.05).
+    np.testing.assert_array_equal(decoded[2], decoded[6])
+    # Cached decode vs one pass over the sequence: the same rows up to float rounding, which can move
+    # an activation across an int8 rounding boundary.
+    assert _rel(jnp.asarray(decoded[6]), jnp.asarray(full)) < 1e-2
+    assert _rel(jnp.asarray(full), jnp.asarray(reference)) < 5e-2  # int8 weights and activations

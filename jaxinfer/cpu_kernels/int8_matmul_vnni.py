@@ -90,6 +90,8 @@ def quantize_activations(x: jax.Array, blocks: int) -> tuple[jax.Array, jax.Arra
 def int8_matmul_vnni(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:
     """x [rows, in] float . int8 weight [out, in] (packed by pack_weight; scale float32 [out] per output
     channel) -> [rows, out] float32. Needs vnni_available()."""
+    if not vnni_available():  # also registers the kernel, once per process
+        raise RuntimeError("the VNNI int8 kernel needs an x86-64 CPU with AVX-512 VNNI and a C++ compiler")
     rows, in_features = x.shape
     out_features = packed.shape[0] * BLOCK_N
     x_q, x_scale, x_comp = quantize_activations(x, in_features // ACTIVATION_BLOCK)

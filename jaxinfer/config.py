@@ -11,7 +11,7 @@ from typing import Literal
 
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels import vnni_available
+from jaxinfer.cpu_kernels import decode_attention_available, vnni_available
 
 Arch = Literal["llama", "gemma3"]
 LayerType = Literal["full_attention", "sliding_attention"]
@@ -96,19 +96,21 @@ class ModelConfig:
 class KernelConfig:
     """Which implementation runs attention and int8 matmuls (static: a change recompiles).
 
-    attention: "xla" (plain JAX, the reference path) or "pallas" (pallas_kernels: flash attention for
-        prefill, decode attention over the whole cache; needs the "bhsd" layout and a float cache).
-    matmul: "xla", "pallas" (the int8 weight kernel) or "vnni" (the C++ AVX-512 VNNI kernel of
-        jaxinfer.cpu_kernels, for products of two or more rows of int8 weights on x86 CPUs;
-        the weights need their packed form, quantization.add_vnni_weights). Float weights always use XLA.
+    attention: "xla" (plain JAX, the reference path), "pallas" (pallas_kernels: flash attention for
+        prefill, decode attention over the whole cache; needs the "bhsd" layout and a float cache) or
+        "native" (jaxinfer.cpu_kernels' C++ decode attention over the whole cache, AVX-512F; "bhsd", a
+        float32 or bfloat16 cache; prefill stays XLA).
+    matmul: "xla", "pallas" (the int8 weight kernel) or "native" (jaxinfer.cpu_kernels' C++ AVX-512 VNNI
+        kernel for products of two or more rows of int8 weights; the weights need their packed form,
+        quantization.add_vnni_weights). Float weights always use XLA.
     int8_activations: for int8 weights at more than one row, quantise activations per row to int8 and
         run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there;
         without this flag, a bf16 weight copy serves several rows there, see quantization.py).
     interpret: run Pallas kernels in interpret mode (CPU).
     """
 
-    attention: Literal["xla", "pallas"] = "xla"
-    matmul: Literal["xla", "pallas", "vnni"] = "xla"
+    attention: Literal["xla", "pallas", "native"] = "xla"
+    matmul: Literal["xla", "pallas", "native"] = "xla"
     int8_activations: bool = False
     interpret: bool = False
 
@@ -116,17 +118,24 @@ class KernelConfig:
     def for_backend(
         cls, backend: str, attention: str = "auto", *, single_device: bool = True
     ) -> KernelConfig:
-        """`auto` picks the fastest correct path: Pallas kernels on TPU/GPU; on CPU, XLA attention and the
-        VNNI matmul kernel where the CPU has it (one device: the custom call has no sharding rule)."""
-        if attention not in ("auto", "xla", "pallas"):
-            raise ValueError(f"attention implementation must be auto, xla or pallas, got {attention!r}")
+        """`auto` picks the fastest correct path: Pallas kernels on TPU/GPU; on CPU, the native kernels
+        where this CPU and a C++ compiler allow them, else XLA. Native kernels need one device (their
+        custom calls have no sharding rule); `attention` other than auto is kept as given."""
+        if attention not in ("auto", "xla", "pallas", "native"):
+            raise ValueError(
+                f"attention implementation must be auto, xla, pallas or native, got {attention!r}"
+            )
         accelerated = backend in ("tpu", "gpu", "cuda", "rocm")
+        native_cpu = single_device and backend == "cpu"
         if attention == "auto":
-            attention = "pallas" if accelerated else "xla"
+            if accelerated:
+                attention = "pallas"
+            else:
+                attention = "native" if native_cpu and decode_attention_available() else "xla"
         if accelerated:
             matmul = "pallas"
         else:
-            matmul = "vnni" if single_device and backend == "cpu" and vnni_available() else "xla"
+            matmul = "native" if native_cpu and vnni_available() else "xla"
         return cls(attention=attention, matmul=matmul, interpret=not accelerated)
 
 

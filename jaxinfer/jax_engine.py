@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import engine as api
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
-from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS
+from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS, native_decode_attention
 from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.model import forward
 from jaxinfer.params import Params
@@ -261,9 +261,14 @@ class JaxEngine(api.Engine):
         # Decode computes a prefix of the slots. The Pallas kernel reads the whole cache, and a slot split
         # over `data` would reshard a prefix, so those always compute every slot.
         slots = cache_config.num_slots
-        prefix_ok = self.kernels.attention == "xla" and self.mesh.shape[DATA] == 1
+        prefix_ok = self.kernels.attention in ("xla", "native") and self.mesh.shape[DATA] == 1
         self._row_buckets = power_of_two_buckets(1, slots) if prefix_ok else (slots,)
         self.state = self._init_state()
+        # The native decode kernel reads each slot up to its own length: one decode program per row
+        # bucket, whatever the lengths.
+        self.native_decode_attention = native_decode_attention(
+            self.kernels, self.state.cache, config.head_dim
+        )
         self._programs: dict[tuple, object] = {}
         self.compile_count = 0
         self._warm = False
@@ -357,10 +362,15 @@ class JaxEngine(api.Engine):
 
     def _decode_attend_buckets(self, rows: int) -> tuple[int, ...]:
         """The attend buckets of decode steps over `rows` (a row bucket)."""
+        if self.native_decode_attention:
+            return (self.max_seq_len,)
         return self._many_rows_attend_buckets if rows > ROWS_AS_VECTORS else self._attend_buckets
 
     def decode_attend_len(self, rows: int, length: int) -> int:
-        """Cache positions a decode step over `rows` rows reads once its longest slot holds `length`."""
+        """Cache positions a decode step over `rows` rows reads once its longest slot holds `length`
+        (the native kernel reads each slot's own length; its program is compiled for the whole cache)."""
+        if self.native_decode_attention:
+            return min(length + 1, self.max_seq_len)
         return self._bucket(self._decode_attend_buckets(rows), min(length + 1, self.max_seq_len))
 
     def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
@@ -417,7 +427,7 @@ class JaxEngine(api.Engine):
         longest = int(self._host_len[self._host_active].max(initial=0))
         active = np.flatnonzero(self._host_active)
         rows = self._bucket(self._row_buckets, int(active[-1]) + 1 if active.size else 1)
-        a = self.decode_attend_len(rows, longest)
+        a = self._bucket(self._decode_attend_buckets(rows), min(longest + 1, self.max_seq_len))
         args = (self.params, self.state)
         self.state, packed = self._program(("decode", a, rows), args)(*args)
         self._host_len[self._host_active] += 1

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig
-from jaxinfer.cpu_kernels import int8_matmul_vnni
+from jaxinfer.cpu_kernels import decode_attention_cpu, decode_attention_supports, int8_matmul_vnni
 from pallas_kernels import decode_attention, flash_attention, int8_matmul
 
 MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
@@ -56,7 +56,7 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
         y = int8_matmul(x2, q, scale, interpret=kernels.interpret)
     elif rows > 1 and kernels.int8_activations:
         y = _int8_activation_linear(x2, q, scale)
-    elif kernels.matmul == "vnni" and "vnni" in w and rows > 1:
+    elif kernels.matmul == "native" and "vnni" in w and rows > 1:
         y = int8_matmul_vnni(x2, w["vnni"], scale)
     elif rows <= ROWS_AS_VECTORS:
         # One matrix-vector product per row: XLA fuses the int8 -> float conversion into each (memory bound).
@@ -205,3 +205,33 @@ def decode_attention_pallas(
         logit_softcap=softcap, max_len_bucket=attend_len, interpret=interpret,
     )  # fmt: skip
     return out[:, None]
+
+
+def native_decode_attention(kernels: KernelConfig, cache, head_dim: int) -> bool:
+    """Whether decode steps attend through the C++ kernel: attention "native" and a cache it reads (the
+    "bhsd" layout, float32 or bfloat16 bit patterns; an int8 cache stays on XLA)."""
+    return (
+        kernels.attention == "native"
+        and cache.layout == "bhsd"
+        and not cache.quantized
+        and decode_attention_supports(cache.k.dtype, head_dim)
+    )
+
+
+def decode_attention_native(
+    q: jax.Array,  # [rows, 1, h, d]: the first `rows` slots of the cache
+    cache,  # KVCache holding this step's keys and values
+    lengths: jax.Array,  # [rows]: keys per slot incl. the new token; 0 for inactive slots
+    *,
+    layer: int,
+    scale: float,
+    sliding_window: int | None,
+    softcap: float | None,
+) -> jax.Array:
+    """The C++ decode kernel reads the layer straight out of the cache's storage (no XLA slice copy),
+    each slot up to its own length."""
+    out = decode_attention_cpu(
+        q[:, 0], cache.k, cache.v, lengths, layer=layer, scale=scale, sliding_window=sliding_window,
+        softcap=softcap,
+    )  # fmt: skip
+    return out[:, None].astype(q.dtype)

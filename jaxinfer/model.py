@@ -19,9 +19,11 @@ from jaxinfer.config import KernelConfig, ModelConfig, RopeScaling
 from jaxinfer.kernel_dispatch import (
     attention_bias,
     attention_xla,
+    decode_attention_native,
     decode_attention_pallas,
     embed,
     linear,
+    native_decode_attention,
     prefill_attention_pallas,
 )
 from jaxinfer.kv_cache import KVCache
@@ -130,6 +132,12 @@ def _layer(
         attn = decode_attention_pallas(
             q, *cache.arrays(), lengths, layer=index, attend_len=attend_len, scale=c.attn_scale,
             sliding_window=window, softcap=c.attn_logit_softcap, interpret=kernels.interpret,
+        )  # fmt: skip
+    elif t == 1 and isinstance(read_slots, int) and native_decode_attention(kernels, cache, c.head_dim):
+        lengths = jnp.where(write_positions[:, 0] < cache.max_len, positions[:, 0] + 1, 0)
+        attn = decode_attention_native(
+            q, cache, lengths, layer=index, scale=c.attn_scale, sliding_window=window,
+            softcap=c.attn_logit_softcap,
         )  # fmt: skip
     else:
         keys, values = cache.read(index, read_slots, attend_len)  # [b, kv_heads, attend_len, d]

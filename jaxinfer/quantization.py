@@ -84,7 +84,7 @@ _pack_vnni = jax.jit(pack_weight)
 def add_vnni_weights(params: Params) -> Params:
     """Adds "vnni", the weight packed for the CPU VNNI kernel (cpu_kernels.int8_matmul_vnni), to every
     int8 weight whose shape that kernel takes, and a "bf16" copy to the others: the forms that serve
-    products of several rows with KernelConfig(matmul="vnni"). Packing reorders the int8 bytes, so the
+    products of several rows with KernelConfig(matmul="native"). Packing reorders the int8 bytes, so the
     weights take twice the int8 model's memory (the bf16 copies took three times)."""
 
     def add(name: str, w):

@@ -222,7 +222,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     )
     kernels = dataclasses.replace(kernels, int8_activations=options.int8_activations)
     if not kernels.int8_activations and quantization_of(loaded.params) == "int8":
-        if kernels.matmul == "vnni":
+        if kernels.matmul == "native":
             loaded = dataclasses.replace(loaded, params=add_vnni_weights(loaded.params))
         elif kernels.matmul == "xla":
             loaded = dataclasses.replace(loaded, params=add_bf16_copies(loaded.params))

@@ -45,7 +45,7 @@ def main() -> None:
         "int8 weights, int8 activations": (KernelConfig(int8_activations=True), quantized),
     }
     default_name, default = "int8 weights; several rows in bf16 (CPU default)", (KernelConfig(), with_copies)
-    if kernels.matmul == "vnni":
+    if kernels.matmul == "native":
         packed = add_vnni_weights(quantized)
         print(f"with the weights packed for the VNNI kernel: {weight_bytes(packed) / 2**20:.1f} MiB "
               f"({weight_bytes(packed) / float_bytes:.1%})")  # fmt: skip

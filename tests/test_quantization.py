@@ -27,7 +27,7 @@ FORMS = {
     "bf16-copy": KernelConfig(),  # the CPU default: a bf16 copy of the weight serves several rows
     "int8-activations": KernelConfig(int8_activations=True),
     "pallas": KernelConfig(matmul="pallas", interpret=True),
-    "vnni": KernelConfig(matmul="vnni"),  # the CPU default where AVX-512 VNNI and g++ are present
+    "vnni": KernelConfig(matmul="native"),  # the CPU default where AVX-512 VNNI and g++ are present
 }
 WEIGHT_FORMS = {"bf16-copy": add_bf16_copies, "vnni": add_vnni_weights}
 
@@ -93,7 +93,7 @@ def test_int8_smollm2_keeps_greedy_agreement_and_perplexity():
     ]
     default = forms[-1][::2]
     if vnni_available():
-        default = (KernelConfig(matmul="vnni"), add_vnni_weights(quantized))
+        default = (KernelConfig(matmul="native"), add_vnni_weights(quantized))
         forms.append((default[0], 0.88, default[1]))
     for form, floor, weights in forms:
         result = compare(reference, teacher_forced_logits(weights, loaded.config, tokens, form), tokens)

@@ -1,5 +1,11 @@
-"""Native CPU kernels (C++ through XLA's FFI), built on first use; see int8_matmul_vnni.py."""
+"""Native CPU kernels (C++ through XLA's FFI, built on first use): int8_matmul_vnni, decode_attention."""
 
+from jaxinfer.cpu_kernels.decode_attention import (
+    decode_attention_available,
+    decode_attention_cpu,
+    decode_attention_cpu_reference,
+)
+from jaxinfer.cpu_kernels.decode_attention import supports as decode_attention_supports
 from jaxinfer.cpu_kernels.int8_matmul_vnni import (
     int8_matmul_vnni,
     int8_matmul_vnni_reference,
@@ -10,6 +16,10 @@ from jaxinfer.cpu_kernels.int8_matmul_vnni import (
 )
 
 __all__ = [
+    "decode_attention_available",
+    "decode_attention_cpu",
+    "decode_attention_cpu_reference",
+    "decode_attention_supports",
     "int8_matmul_vnni",
     "int8_matmul_vnni_reference",
     "pack_weight",

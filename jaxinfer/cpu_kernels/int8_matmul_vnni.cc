@@ -16,11 +16,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -102,11 +100,6 @@ void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
   if (n < n_end) Rows<1>(p, n, nullptr);
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> x_scale,
                           ffi::Buffer<ffi::S32> x_comp, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> w_scale,
                           ffi::ResultBuffer<ffi::F32> out) {
@@ -120,23 +113,13 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   p.block = p.k / p.kb;
   if (p.m == 0) return ffi::Error::Success();
 
-  // Chunks of 32 outputs claimed from a shared counter by the calling thread and the pool's: a helper
-  // that starts late finds nothing left, so the call never waits on a task that has not begun.
   const int64_t pairs = (p.n + 2 * kBlockN - 1) / (2 * kBlockN);
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_chunk = std::max<int64_t>(1, pairs / (8 * threads));
+  const int64_t per_chunk = std::max<int64_t>(1, pairs / (8 * std::max<int64_t>(1, pool.num_threads())));
   const int64_t chunks = (pairs + per_chunk - 1) / per_chunk;
-  auto progress = std::make_shared<Progress>();
-  auto work = [p, progress, per_chunk, chunks]() {
-    for (int64_t c; (c = progress->next.fetch_add(1)) < chunks;) {
-      const int64_t begin = c * per_chunk * 2 * kBlockN;
-      Columns(p, begin, std::min(p.n, begin + per_chunk * 2 * kBlockN));
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t t = 1; t < std::min(threads, chunks); ++t) pool.Schedule([work] { work(); });
-  work();
-  while (progress->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+  jaxinfer::ParallelFor(pool, chunks, [&p, per_chunk](int64_t c) {
+    const int64_t begin = c * per_chunk * 2 * kBlockN;
+    Columns(p, begin, std::min(p.n, begin + per_chunk * 2 * kBlockN));
+  });
   return ffi::Error::Success();
 }
 

@@ -13,52 +13,27 @@ so an outlier channel coarsens only its own block of 32 (llama.cpp quantises act
 from __future__ import annotations
 
 import functools
-import logging
-import os
-import platform
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels.native_build import build_library
-
-log = logging.getLogger(__name__)
+from jaxinfer.cpu_kernels.native_build import register_kernels
 
 TARGET = "jaxinfer_int8_matmul_vnni"
 BLOCK_N = 16  # outputs per packed 64-byte weight vector
 BLOCK_K = 4  # input channels per vpdpbusd lane
 ACTIVATION_BLOCK = 32  # input channels per activation scale (as llama.cpp's Q8_0; 128 runs no faster)
 OFFSET = 128  # vpdpbusd takes unsigned weights: w + 128, corrected by 128 * sum(x_q) per block
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512_vnni")
+CPU_FEATURES = ("avx512f", "avx512bw", "avx512_vnni")
 _SOURCE = Path(__file__).with_suffix(".cc")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 @functools.cache
 def vnni_available() -> bool:
-    """Whether this process can run the kernel: an x86-64 Linux CPU with AVX-512 VNNI, a C++ compiler,
-    and JAXINFER_NATIVE_KERNELS not set to 0. Builds and registers the kernel on the first call."""
-    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
-        return False
-    if platform.machine() not in ("x86_64", "AMD64") or not set(REQUIRED_CPU_FLAGS) <= _cpu_flags():
-        return False
-    library = build_library(_SOURCE, ("-mavx512f", "-mavx512bw", "-mavx512vnni"))
-    if library is None:
-        return False
-    import ctypes
-
-    handler = getattr(ctypes.cdll.LoadLibrary(str(library)), TARGET)
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
-    return True
+    """Whether this process can run the kernel (native_build.register_kernels: an x86-64 CPU with
+    AVX-512 VNNI, a C++ compiler, JAXINFER_NATIVE_KERNELS not 0). Builds and registers it once."""
+    return register_kernels(_SOURCE, CPU_FEATURES, (TARGET,))
 
 
 def supports(out_features: int, in_features: int) -> bool:

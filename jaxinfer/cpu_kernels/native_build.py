@@ -1,15 +1,18 @@
 """Compiles the C++ sources of jaxinfer's CPU kernels into shared libraries, once per source and machine.
 
 Each library lands in $JAXINFER_CACHE_DIR/native (default ~/.cache/jaxinfer/native) under a name that
-hashes the source, the compiler flags and jaxlib's FFI headers, so an edited source or a new jaxlib
-builds afresh and concurrent processes never see a half-written file (written aside, then renamed).
+hashes the source, the headers beside it, the compiler flags and jaxlib's FFI header, so an edited
+source or a new jaxlib builds afresh, and concurrent processes never see a half-written file (each is
+written aside, then renamed). `register_kernels` builds, loads and registers a kernel's FFI handlers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,6 +39,8 @@ def build_library(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | Non
     include = Path(jax.ffi.include_dir())
     flags = (*COMPILER_FLAGS, *extra_flags, f"-I{include}")
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # the kernels' shared headers
+        digest.update(header.read_bytes())
     digest.update(" ".join((compiler, *flags)).encode())
     digest.update((include / "xla" / "ffi" / "api" / "ffi.h").read_bytes())
     target = cache_dir() / f"{source.stem}-{digest.hexdigest()[:16]}.so"
@@ -51,3 +56,31 @@ def build_library(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | Non
             return None
         os.replace(built, target)
     return target
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags of this machine's CPU (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def register_kernels(source: Path, cpu_features: tuple[str, ...], targets: tuple[str, ...]) -> bool:
+    """Builds `source` for an x86-64 CPU with `cpu_features` (e.g. "avx512_vnni", compiled with
+    -mavx512vnni) and registers each FFI handler symbol in `targets` as an XLA:CPU custom call of the
+    same name. False (nothing registered) where the CPU lacks a feature, no compiler is found, or
+    JAXINFER_NATIVE_KERNELS=0."""
+    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
+        return False
+    if platform.machine() not in ("x86_64", "AMD64") or not set(cpu_features) <= cpu_flags():
+        return False
+    library = build_library(source, tuple(f"-m{feature.replace('_', '')}" for feature in cpu_features))
+    if library is None:
+        return False
+    handlers = ctypes.cdll.LoadLibrary(str(library))
+    for target in targets:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handlers, target)), platform="cpu")
+    return True

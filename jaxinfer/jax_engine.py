@@ -264,11 +264,6 @@ class JaxEngine(api.Engine):
         prefix_ok = self.kernels.attention in ("xla", "native") and self.mesh.shape[DATA] == 1
         self._row_buckets = power_of_two_buckets(1, slots) if prefix_ok else (slots,)
         self.state = self._init_state()
-        # The native decode kernel reads each slot up to its own length: one decode program per row
-        # bucket, whatever the lengths.
-        self.native_decode_attention = native_decode_attention(
-            self.kernels, self.state.cache, config.head_dim
-        )
         self._programs: dict[tuple, object] = {}
         self.compile_count = 0
         self._warm = False
@@ -360,16 +355,20 @@ class JaxEngine(api.Engine):
         later chunk reads cost little next to its matmuls."""
         return self._bucket(self._attend_buckets, t) if start == 0 else self.max_seq_len
 
+    def native_decode_attention(self, rows: int) -> bool:
+        """Whether decode steps over `rows` rows attend through the C++ kernel (kernel_dispatch)."""
+        return native_decode_attention(self.kernels, self.state.cache, self.config.head_dim, rows)
+
     def _decode_attend_buckets(self, rows: int) -> tuple[int, ...]:
-        """The attend buckets of decode steps over `rows` (a row bucket)."""
-        if self.native_decode_attention:
+        """The attend buckets of decode steps over `rows` (a row bucket). The native kernel reads each
+        slot up to its own length: one program for the whole cache, whatever the lengths."""
+        if self.native_decode_attention(rows):
             return (self.max_seq_len,)
         return self._many_rows_attend_buckets if rows > ROWS_AS_VECTORS else self._attend_buckets
 
     def decode_attend_len(self, rows: int, length: int) -> int:
-        """Cache positions a decode step over `rows` rows reads once its longest slot holds `length`
-        (the native kernel reads each slot's own length; its program is compiled for the whole cache)."""
-        if self.native_decode_attention:
+        """Cache positions a decode step over `rows` rows reads once its longest slot holds `length`."""
+        if self.native_decode_attention(rows):
             return min(length + 1, self.max_seq_len)
         return self._bucket(self._decode_attend_buckets(rows), min(length + 1, self.max_seq_len))
 

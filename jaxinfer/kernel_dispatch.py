@@ -207,11 +207,19 @@ def decode_attention_pallas(
     return out[:, None]
 
 
-def native_decode_attention(kernels: KernelConfig, cache, head_dim: int) -> bool:
-    """Whether decode steps attend through the C++ kernel: attention "native" and a cache it reads (the
-    "bhsd" layout, float32 or bfloat16 bit patterns; an int8 cache stays on XLA)."""
+# A decode step of one row keeps XLA attention: after a custom call, XLA:CPU's next matrix-vector
+# product (split over both threads) ran ~4x slower, a SmolLM2 step 9 -> 12 ms, while attention over
+# one row costs little either way. From 2 rows the kernel wins (SmolLM2 4 streams 296 -> 401 tokens/s).
+NATIVE_ATTENTION_MIN_ROWS = 2
+
+
+def native_decode_attention(kernels: KernelConfig, cache, head_dim: int, rows: int) -> bool:
+    """Whether a decode step over `rows` rows attends through the C++ kernel: attention "native", at
+    least NATIVE_ATTENTION_MIN_ROWS rows and a cache the kernel reads (the "bhsd" layout, float32 or
+    bfloat16 bit patterns; an int8 cache stays on XLA)."""
     return (
         kernels.attention == "native"
+        and rows >= NATIVE_ATTENTION_MIN_ROWS
         and cache.layout == "bhsd"
         and not cache.quantized
         and decode_attention_supports(cache.k.dtype, head_dim)

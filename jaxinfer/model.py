@@ -133,7 +133,7 @@ def _layer(
             q, *cache.arrays(), lengths, layer=index, attend_len=attend_len, scale=c.attn_scale,
             sliding_window=window, softcap=c.attn_logit_softcap, interpret=kernels.interpret,
         )  # fmt: skip
-    elif t == 1 and isinstance(read_slots, int) and native_decode_attention(kernels, cache, c.head_dim):
+    elif t == 1 and isinstance(read_slots, int) and native_decode_attention(kernels, cache, c.head_dim, b):
         lengths = jnp.where(write_positions[:, 0] < cache.max_len, positions[:, 0] + 1, 0)
         attn = decode_attention_native(
             q, cache, lengths, layer=index, scale=c.attn_scale, sliding_window=window,

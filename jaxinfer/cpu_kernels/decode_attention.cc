@@ -158,7 +158,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(), lengths.typed_data(), out->typed_data(),
             qd[0], kd[1], qd[1], kd[2], kd[3], kd[4], layer, window, scale, softcap};
   using T = std::conditional_t<CacheType == ffi::DataType::F32, float, uint16_t>;
-  jaxinfer::ParallelFor(pool, p.rows * p.kv_heads, [&p](int64_t item) { SlotHead<T>(p, item); });
+  int64_t keys = 0;  // keys read by all rows: the work is ~2 * heads * dim multiply-adds per key
+  for (int64_t b = 0; b < p.rows; ++b) keys += std::clamp<int64_t>(p.lengths[b], 0, p.positions);
+  jaxinfer::ParallelFor(pool, p.rows * p.kv_heads, 2 * keys * p.heads * p.dim,
+                        [&p](int64_t item) { SlotHead<T>(p, item); });
   return ffi::Error::Success();
 }
 

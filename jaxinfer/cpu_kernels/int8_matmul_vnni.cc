@@ -116,7 +116,7 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   const int64_t pairs = (p.n + 2 * kBlockN - 1) / (2 * kBlockN);
   const int64_t per_chunk = std::max<int64_t>(1, pairs / (8 * std::max<int64_t>(1, pool.num_threads())));
   const int64_t chunks = (pairs + per_chunk - 1) / per_chunk;
-  jaxinfer::ParallelFor(pool, chunks, [&p, per_chunk](int64_t c) {
+  jaxinfer::ParallelFor(pool, chunks, p.m * p.n * p.k, [&p, per_chunk](int64_t c) {
     const int64_t begin = c * per_chunk * 2 * kBlockN;
     Columns(p, begin, std::min(p.n, begin + per_chunk * 2 * kBlockN));
   });

@@ -53,11 +53,15 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     )  # fmt: skip
     p.add_argument(
         "--int8-activations", action="store_true",
-        help="with int8 weights, quantise activations at several rows too (int8 x int8 dots with the 8 "
-        "largest channels in float: less memory than the default CPU form, a bf16 weight copy for "
-        "several rows, and less accurate)",
+        help="with int8 weights, quantise activations at several rows too through XLA (int8 x int8 dots "
+        "with the 8 largest channels in float): for CPUs without AVX-512 VNNI, where the default is a bf16 "
+        "weight copy for several rows",
     )  # fmt: skip
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
+    p.add_argument(
+        "--attention-impl", default="auto", choices=["auto", "xla", "pallas", "native"],
+        help="auto: Pallas kernels on TPU/GPU; on CPU the native C++ decode kernel where the CPU has "
+        "AVX-512 (JAXINFER_NATIVE_KERNELS=0 turns both native kernels off), else XLA",
+    )  # fmt: skip
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
 
 

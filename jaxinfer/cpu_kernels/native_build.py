@@ -1,10 +1,10 @@
 """Compiles the C++ sources of jaxinfer's CPU kernels into shared libraries, once per source and machine.
 
-Each library lands in $JAXINFER_CACHE_DIR/native (default ~/.cache/jaxinfer/native) under a name that
-hashes the source, the headers beside it, the compiler flags and jaxlib's FFI header, so an edited
-source or a new jaxlib builds afresh, and concurrent processes never see a half-written file (each is
-written aside, then renamed). `register_kernels` builds, loads and registers a kernel's FFI handlers.
-"""
+Each library lands in jaxinfer/cpu_kernels/_build (or, where that is read-only, in
+$JAXINFER_CACHE_DIR/native, default ~/.cache/jaxinfer/native) under a name that hashes the source, the
+headers beside it, the compiler flags and jaxlib's FFI header, so an edited source or a new jaxlib
+builds afresh, and concurrent processes never see a half-written file (each is written aside, then
+renamed). `register_kernels` builds, loads and registers a kernel's FFI handlers."""
 
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ COMPILER_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
 def cache_dir() -> Path:
-    root = Path(os.environ.get("JAXINFER_CACHE_DIR", Path.home() / ".cache" / "jaxinfer"))
-    return root / "native"
+    """Beside the sources (an install-time build, which setup.sh runs), or under the cache root where
+    the package directory is read-only."""
+    beside = Path(__file__).parent / "_build"
+    if os.access(beside if beside.exists() else beside.parent, os.W_OK):
+        return beside
+    return Path(os.environ.get("JAXINFER_CACHE_DIR", Path.home() / ".cache" / "jaxinfer")) / "native"
 
 
 def build_library(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | None:

@@ -28,8 +28,8 @@ def main() -> None:
 
     loaded = load_model(args.model)
     tokens = load_tokenizer(loaded).encode(EVAL_TEXT)
-    kernels = KernelConfig.for_backend(jax.default_backend(), "xla")
-    reference = teacher_forced_logits(loaded.params, loaded.config, tokens, kernels)
+    reference = teacher_forced_logits(loaded.params, loaded.config, tokens, KernelConfig())
+    kernels = KernelConfig.for_backend(jax.default_backend())  # what the CLI runs on this machine
     float_bytes = weight_bytes(loaded.params)
     quantized = quantize_params(loaded.params)
     int8_bytes = weight_bytes(quantized)
@@ -45,7 +45,7 @@ def main() -> None:
         "int8 weights, int8 activations": (KernelConfig(int8_activations=True), quantized),
     }
     default_name, default = "int8 weights; several rows in bf16 (CPU default)", (KernelConfig(), with_copies)
-    if kernels.matmul == "native":
+    if kernels.matmul == "native":  # the native kernels: VNNI matmul, and decode attention from 2 rows
         packed = add_vnni_weights(quantized)
         print(f"with the weights packed for the VNNI kernel: {weight_bytes(packed) / 2**20:.1f} MiB "
               f"({weight_bytes(packed) / float_bytes:.1%})")  # fmt: skip

@@ -105,7 +105,7 @@ class KernelConfig:
         quantization.add_vnni_weights). Float weights always use XLA.
     int8_activations: for int8 weights at more than one row, quantise activations per row to int8 and
         run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there;
-        without this flag, a bf16 weight copy serves several rows there, see quantization.py).
+        without this flag, the native VNNI kernel or a bf16 weight copy serves several rows there).
     interpret: run Pallas kernels in interpret mode (CPU).
     """
 

@@ -44,8 +44,8 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     `x @ w.T` beats the equivalent last-dim dot_general 2x at one row; the int8 weight converted after
     the transpose fuses into the matrix-vector product (~1.6x faster than float), while the same
     conversion under dot_general runs ~50x slower. At several rows that int8 form collapses (0.7 GB/s of
-    weights against ~28 at one row); a bf16 copy (quantization.add_bf16_copies) or int8 activations
-    take over there.
+    weights against ~28 at one row); the native VNNI kernel (from 2 rows, quantization.add_vnni_weights),
+    a bf16 copy (quantization.add_bf16_copies, past ROWS_AS_VECTORS rows) or int8 activations take over.
     """
     if not is_quantized(w):
         return x @ w.astype(x.dtype).T

@@ -6,6 +6,8 @@ so the same scales serve the embedding lookup and the tied logits projection). N
 Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
 memory stays near one float copy.
 
+`add_vnni_weights` gives each int8 leaf the same bytes packed for the native VNNI kernel, which serves
+products of two or more rows on x86 CPUs with AVX-512 VNNI (cpu_kernels/int8_matmul_vnni.py). Without it,
 `add_bf16_copies` gives each int8 leaf a third array, "bf16": the dequantised weight in bfloat16, for
 products of more than a few rows on XLA:CPU (kernel_dispatch.ROWS_AS_VECTORS). There the int8 form is
 only fast as a matrix-vector product, while a bf16 x bf16 -> f32 dot at 16-512 rows is as fast as an

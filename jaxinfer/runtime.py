@@ -52,8 +52,9 @@ class RuntimeOptions:
     max_prefill_chunk: int = 512
     mesh: dict[str, int] | None = None
     quantize: str = "none"  # "int8": weights quantised once at load; "auto": int8 on CPU (resolve_quantize)
-    # int8 weights at several rows: quantise activations per row too (int8 x int8 dots). Off by default:
-    # on CPU a bf16 weight copy serves several rows as fast and more accurately (quantization.py).
+    # int8 weights at several rows: quantise activations per row through XLA's int8 x int8 dots. Off by
+    # default: on CPU the VNNI kernel (activations in blocks of 32) or, without it, a bf16 weight copy
+    # serves several rows faster and more accurately (quantization.py).
     int8_activations: bool = False
     attention_impl: str = "auto"  # auto | xla | pallas
     compilation_cache_dir: str | None = str(DEFAULT_COMPILATION_CACHE)
@@ -105,9 +106,10 @@ def default_cache_dtype(cache_dtype: str | None, dtype: str) -> str:
 
 
 def resolve_quantize(quantize: str, backend: str) -> str:
-    """`auto` is int8 on CPU: there it decodes 2-3x faster than float32 at one row and no slower at
-    several (bf16 copies), at 92-96% greedy agreement with the float model and perplexity within 1% on
-    both embedded models (docs/benchmarks.md). Elsewhere the float weights stay."""
+    """`auto` is int8 on CPU: there it decodes 2-3x faster than float32 at one row and several times
+    faster at several (the VNNI kernel, or bf16 copies without it), at 91-96% greedy agreement with the
+    float model and perplexity within 1.1% on both embedded models (docs/benchmarks.md). Elsewhere the
+    float weights stay."""
     if quantize == "auto":
         return "int8" if backend == "cpu" else "none"
     return quantize

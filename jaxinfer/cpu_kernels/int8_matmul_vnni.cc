@@ -39,7 +39,7 @@ struct Problem {
 
 // MR rows x NB blocks of 16 outputs, starting at output n0.
 template <int MR, int NB>
-void Tile(const Problem& p, int64_t m0, int64_t n0, const uint8_t* prefetch) {
+void Tile(const Problem& p, int64_t m0, int64_t n0) {
   __m512 total[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) total[i][j] = _mm512_setzero_ps();
@@ -51,8 +51,6 @@ void Tile(const Problem& p, int64_t m0, int64_t n0, const uint8_t* prefetch) {
     for (int64_t k = b * p.block; k < (b + 1) * p.block; k += 4) {
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * p.k * kBlockN + k * kBlockN);
-      if (prefetch != nullptr)
-        for (int j = 0; j < NB; ++j) _mm_prefetch(prefetch + j * p.k * kBlockN + k * kBlockN, _MM_HINT_T0);
       for (int i = 0; i < MR; ++i) {
         int32_t four;
         __builtin_memcpy(&four, p.x + (m0 + i) * p.k + k, 4);
@@ -74,17 +72,17 @@ void Tile(const Problem& p, int64_t m0, int64_t n0, const uint8_t* prefetch) {
   }
 }
 
-// The first row group also pulls the next outputs' weights into L1 (`next`, or nullptr at the end), so
-// the pass that reads them from memory does not wait on it.
+// 4 rows x 2 blocks: 8 int32 accumulators and 2 weight vectors in registers (the float32 block totals,
+// updated once per block of 32 inputs, may live in L1).
 template <int NB>
-void Rows(const Problem& p, int64_t n0, const uint8_t* next) {
-  constexpr int kRows = 4;  // 4 rows x 2 blocks: 16 accumulators + 2 weight vectors in registers
+void Rows(const Problem& p, int64_t n0) {
+  constexpr int kRows = 4;
   int64_t m = 0;
-  for (; m + kRows <= p.m; m += kRows, next = nullptr) Tile<kRows, NB>(p, m, n0, next);
+  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, n0);
   switch (p.m - m) {
-    case 3: Tile<3, NB>(p, m, n0, next); break;
-    case 2: Tile<2, NB>(p, m, n0, next); break;
-    case 1: Tile<1, NB>(p, m, n0, next); break;
+    case 3: Tile<3, NB>(p, m, n0); break;
+    case 2: Tile<2, NB>(p, m, n0); break;
+    case 1: Tile<1, NB>(p, m, n0); break;
     default: break;
   }
 }
@@ -93,11 +91,8 @@ void Rows(const Problem& p, int64_t n0, const uint8_t* next) {
 // while every row group passes over them.
 void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + 2 * kBlockN <= n_end; n += 2 * kBlockN) {
-    const bool last = n + 4 * kBlockN > n_end;
-    Rows<2>(p, n, last ? nullptr : p.w + (n + 2 * kBlockN) * p.k);
-  }
-  if (n < n_end) Rows<1>(p, n, nullptr);
+  for (; n + 2 * kBlockN <= n_end; n += 2 * kBlockN) Rows<2>(p, n);
+  if (n < n_end) Rows<1>(p, n);
 }
 
 ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> x_scale,

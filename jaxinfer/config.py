@@ -127,6 +127,11 @@ class KernelConfig:
             )
         accelerated = backend in ("tpu", "gpu", "cuda", "rocm")
         native_cpu = single_device and backend == "cpu"
+        if attention == "native" and not (native_cpu and decode_attention_available()):
+            raise ValueError(
+                "attention 'native' needs one CPU device with AVX-512 and a C++ compiler "
+                "(python -m jaxinfer.cpu_kernels says what this machine runs)"
+            )
         if attention == "auto":
             if accelerated:
                 attention = "pallas"

@@ -56,7 +56,7 @@ class RuntimeOptions:
     # default: on CPU the VNNI kernel (activations in blocks of 32) or, without it, a bf16 weight copy
     # serves several rows faster and more accurately (quantization.py).
     int8_activations: bool = False
-    attention_impl: str = "auto"  # auto | xla | pallas
+    attention_impl: str = "auto"  # auto | xla | pallas | native
     compilation_cache_dir: str | None = str(DEFAULT_COMPILATION_CACHE)
     # int8 weights converted from a GGUF file are kept here (an orbax checkpoint per file), so a later
     # start skips parsing and dequantising the file. None or '' disables.

@@ -105,3 +105,13 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
     int8 = JaxEngine(params, config, CacheConfig(num_slots=4, max_len=256, dtype="int8"),
                      kernels=KernelConfig(attention="native"))  # fmt: skip
     assert not int8.native_decode_attention(4)
+
+
+def test_native_attention_is_refused_where_it_cannot_run():
+    with pytest.raises(ValueError, match="one CPU device"):
+        KernelConfig.for_backend("cpu", "native", single_device=False)
+    with pytest.raises(ValueError, match="one CPU device"):
+        KernelConfig.for_backend("gpu", "native")
+    # auto never picks it there
+    assert KernelConfig.for_backend("cpu", single_device=False).attention == "xla"
+    assert KernelConfig.for_backend("cpu", single_device=False).matmul == "xla"

@@ -366,11 +366,15 @@ class JaxEngine(api.Engine):
             return (self.max_seq_len,)
         return self._many_rows_attend_buckets if rows > ROWS_AS_VECTORS else self._attend_buckets
 
+    def _decode_bucket(self, rows: int, length: int) -> int:
+        """The attend bucket (program) of a decode step over `rows` rows whose longest slot holds `length`."""
+        return self._bucket(self._decode_attend_buckets(rows), min(length + 1, self.max_seq_len))
+
     def decode_attend_len(self, rows: int, length: int) -> int:
         """Cache positions a decode step over `rows` rows reads once its longest slot holds `length`."""
         if self.native_decode_attention(rows):
             return min(length + 1, self.max_seq_len)
-        return self._bucket(self._decode_attend_buckets(rows), min(length + 1, self.max_seq_len))
+        return self._decode_bucket(rows, length)
 
     def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
         for b in buckets:
@@ -426,7 +430,7 @@ class JaxEngine(api.Engine):
         longest = int(self._host_len[self._host_active].max(initial=0))
         active = np.flatnonzero(self._host_active)
         rows = self._bucket(self._row_buckets, int(active[-1]) + 1 if active.size else 1)
-        a = self._bucket(self._decode_attend_buckets(rows), min(longest + 1, self.max_seq_len))
+        a = self._decode_bucket(rows, longest)
         args = (self.params, self.state)
         self.state, packed = self._program(("decode", a, rows), args)(*args)
         self._host_len[self._host_active] += 1

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig
 from jaxinfer.cpu_kernels import decode_attention_cpu, decode_attention_supports, int8_matmul_vnni
-from pallas_kernels import decode_attention, flash_attention, int8_matmul
+from pallas_kernels import decode_attention, flash_attention, int8_matmul, quantize_int8
 
 MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
 
@@ -89,10 +89,8 @@ def _int8_activation_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax
     _, outliers = jax.lax.top_k(jnp.max(jnp.abs(x2), axis=0), OUTLIER_CHANNELS)  # [k]
     x_out = jnp.take(x2, outliers, axis=1)  # [rows, k]
     x_in = x2.at[:, outliers].set(0.0)
-    amax = jnp.max(jnp.abs(x_in), axis=-1, keepdims=True)
-    x_scale = jnp.where(amax == 0, 1.0, amax / 127.0)
-    x_q = jnp.clip(jnp.round(x_in / x_scale), -127, 127).astype(jnp.int8)
-    acc = _dot_nt(x_q, q, out_type=jnp.int32).astype(jnp.float32) * x_scale  # [rows, out]
+    x_q, x_scale = quantize_int8(x_in)  # per row, like the weights' per output channel
+    acc = _dot_nt(x_q, q, out_type=jnp.int32).astype(jnp.float32) * x_scale[:, None]  # [rows, out]
     w_out = jnp.take(q, outliers, axis=1).astype(jnp.float32)  # [out, k]
     return (acc + x_out @ w_out.T) * scale
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.cpu_kernels.native_build import register_kernels
+from pallas_kernels import quantize_int8
 
 TARGET = "jaxinfer_int8_matmul_vnni"
 BLOCK_N = 16  # outputs per packed 64-byte weight vector
@@ -52,14 +53,11 @@ def pack_weight(q: jax.Array) -> jax.Array:
 
 def quantize_activations(x: jax.Array, blocks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [rows, in] float -> (x_q int8 [rows, in], scale float32 [rows, blocks], 128 * block sums of x_q
-    int32 [rows, blocks]); x ~= x_q * scale within each block."""
+    int32 [rows, blocks]); x ~= x_q * scale within each block (pallas_kernels.quantize_int8's groups)."""
     rows, in_features = x.shape
-    xb = x.astype(jnp.float32).reshape(rows, blocks, in_features // blocks)
-    amax = jnp.max(jnp.abs(xb), axis=-1, keepdims=True)
-    scale = jnp.where(amax == 0, 1.0, amax / 127.0)
-    x_q = jnp.clip(jnp.round(xb / scale), -127, 127).astype(jnp.int8)
-    comp = OFFSET * jnp.sum(x_q.astype(jnp.int32), axis=-1)
-    return x_q.reshape(rows, in_features), scale[..., 0], comp
+    x_q, scale = quantize_int8(x, group_size=in_features // blocks)
+    comp = OFFSET * jnp.sum(x_q.reshape(rows, blocks, -1).astype(jnp.int32), axis=-1)
+    return x_q, scale, comp
 
 
 def int8_matmul_vnni(x: jax.Array, packed: jax.Array, scale: jax.Array) -> jax.Array:

@@ -36,11 +36,27 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
         default=None,
         help="KV cache dtype: float32, bfloat16, int8 (default: bfloat16 on CPU, else the activation dtype)",
     )
-    p.add_argument("--kv-cache-layout", default="bhsd", choices=["bhsd", "bshd"])
     p.add_argument(
-        "--max-len", type=int, default=None, help="positions per slot (default: min(context, 2048))"
+        "--max-len", type=int, default=None,
+        help="most positions one request may hold (default: the model's context); a cap, not a reservation",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-running", "--slots", dest="slots", type=int, default=slots,
+        help="decode rows: most requests running at once (memory is --kv-cache-memory / --kv-pages)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-cache-memory", default=None,
+        help="KV page pool size, e.g. 2GiB (default: CPU, every running request at full length, at most "
+        "1GiB; TPU/GPU, half the device memory left after the weights)",
+    )  # fmt: skip
+    p.add_argument("--kv-pages", type=int, default=None, help="KV page pool size in pages (overrides memory)")
+    p.add_argument(
+        "--page-size", type=int, default=None, help="positions per KV page (default: 64 on CPU, else 16)"
     )
-    p.add_argument("--slots", type=int, default=slots, help="decode slots sharing the KV cache")
+    p.add_argument(
+        "--no-prefix-caching", dest="prefix_caching", action="store_false",
+        help="do not reuse the KV pages of earlier requests' common prefixes",
+    )  # fmt: skip
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prefill bucket")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
     p.add_argument(
@@ -79,10 +95,15 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _runtime_options(args: argparse.Namespace):
-    from jaxinfer.runtime import RuntimeOptions
+    from jaxinfer.runtime import RuntimeOptions, parse_memory_size
     from jaxinfer.sharding import parse_mesh
 
     kwargs = {}
+    if args.kv_cache_memory is not None:
+        try:
+            kwargs["kv_cache_memory"] = parse_memory_size(args.kv_cache_memory)
+        except ValueError as e:
+            raise UserError(str(e)) from e
     if args.compilation_cache is not None:
         kwargs["compilation_cache_dir"] = args.compilation_cache or None
     if args.weights_cache is not None:
@@ -91,9 +112,11 @@ def _runtime_options(args: argparse.Namespace):
         model=args.model,
         dtype=args.dtype,
         cache_dtype=args.kv_cache_dtype,
-        cache_layout=args.kv_cache_layout,
         num_slots=args.slots,
         max_len=args.max_len,
+        page_size=args.page_size,
+        kv_pages=args.kv_pages,
+        enable_prefix_caching=args.prefix_caching,
         max_prefill_chunk=args.max_prefill_chunk,
         mesh=parse_mesh(args.mesh) if args.mesh else None,
         quantize=args.quantize,
@@ -155,8 +178,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     compile_s = runtime.engine.warmup([len(p) for p in prompts], sampling.max_tokens)
     start = time.perf_counter()
     results = generate(
-        runtime.engine, tok, prompts, [sampling] * len(prompts), on_text=on_text if stream else None
-    )
+        runtime.engine, tok, prompts, [sampling] * len(prompts), on_text=on_text if stream else None,
+        enable_prefix_caching=args.prefix_caching,
+    )  # fmt: skip
     wall = time.perf_counter() - start
     for text, r in zip(args.prompt, results):
         if args.output == "json":
@@ -224,7 +248,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "warm-up compiled %d programs in %.1fs (load %.1fs); nothing compiles while serving",
             runtime.engine.compile_count, seconds, runtime.load_seconds,
         )  # fmt: skip
-        orchestrator = Orchestrator(engine, runtime.tokenizer, max_queue=args.max_queue)
+        orchestrator = Orchestrator(
+            engine, runtime.tokenizer, max_queue=args.max_queue,
+            enable_prefix_caching=options.enable_prefix_caching,
+        )  # fmt: skip
         info = runtime.model_info()
         return serve_forever(
             orchestrator, runtime.tokenizer, info,

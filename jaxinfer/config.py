@@ -16,7 +16,6 @@ from jaxinfer.cpu_kernels import decode_attention_available, vnni_available
 Arch = Literal["llama", "gemma3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 Activation = Literal["silu", "gelu_tanh"]
-CacheLayout = Literal["bhsd", "bshd"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,10 +95,10 @@ class ModelConfig:
 class KernelConfig:
     """Which implementation runs attention and int8 matmuls (static: a change recompiles).
 
-    attention: "xla" (plain JAX, the reference path), "pallas" (pallas_kernels: flash attention for
-        prefill, decode attention over the whole cache; needs the "bhsd" layout and a float cache) or
-        "native" (jaxinfer.cpu_kernels' C++ decode attention over the whole cache, AVX-512F; "bhsd", a
-        float32 or bfloat16 cache; prefill stays XLA).
+    attention: "xla" (plain JAX over pages gathered through the page table, the reference path),
+        "pallas" (pallas_kernels.paged_attention: prefill and decode attention reading the pages in
+        the kernel) or "native" (jaxinfer.cpu_kernels' C++ paged decode attention, AVX-512F, a float32
+        or bfloat16 cache; prefill stays XLA).
     matmul: "xla", "pallas" (the int8 weight kernel) or "native" (jaxinfer.cpu_kernels' C++ AVX-512 VNNI
         kernel for products of two or more rows of int8 weights; the weights need their packed form,
         quantization.add_vnni_weights). Float weights always use XLA.
@@ -146,20 +145,34 @@ class KernelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CacheConfig:
-    """The preallocated KV cache: every layer, every slot, `max_len` positions.
+    """The paged KV cache (kv_cache.py): a pool of fixed-size pages shared by every request.
 
-    layout:
-      "bhsd" - k/v are [layers, slots, kv_heads, max_len, head_dim] (decode reads contiguous rows per head).
-      "bshd" - k/v are [layers, slots, max_len, kv_heads, head_dim] (one write per token is contiguous).
+    num_pages: pages in the pool, including the reserved null page 0 (see kv_cache.py).
+    page_size: positions per page.
+    max_len: most positions one request may hold (prompt plus output), a cap, not a reservation.
+    num_slots: decode rows: most requests running at once, each with its own sampling state.
     dtype "int8" stores K/V as int8 with one float32 scale per (token, head).
     """
 
-    num_slots: int
+    num_pages: int
+    page_size: int
     max_len: int
+    num_slots: int
     dtype: str = "float32"
-    layout: CacheLayout = "bhsd"
 
     def __post_init__(self):
-        if self.num_slots < 1 or self.max_len < 1:
-            raise ValueError(f"{self.num_slots=} and {self.max_len=} must be positive")
+        for name in ("num_pages", "page_size", "max_len", "num_slots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
+        if self.num_pages < 2:
+            raise ValueError(f"{self.num_pages=} must be at least 2 (page 0 is the null page)")
         jnp.dtype(self.dtype)  # raises on an unknown dtype name
+
+    @property
+    def pages_per_seq(self) -> int:
+        """Width of a request's page table: enough pages for max_len positions."""
+        return -(-self.max_len // self.page_size)
+
+    @property
+    def num_usable_pages(self) -> int:
+        return self.num_pages - 1

@@ -1,15 +1,20 @@
-"""The device contract between the scheduler and a model: prefill into a slot, step every slot, release.
+"""The device contract between the scheduler and a model: prefill chunks into rows, decode every row.
 
-A fixed number of decode *slots* share one preallocated KV cache. The engine owns the device state
-(cache and per-slot sampling state); the host owns the policy (which request goes to which slot, when).
+The KV cache is a pool of pages (kv_cache.py) owned by the host: the scheduler allocates pages,
+keeps each request's page table and length, and passes them with every call. The engine keeps only
+what the device needs across steps for each decode *slot* (a row of the batch): the last sampled
+token, the sampling settings, the stop conditions and an `active` flag.
 
 One request's life on the engine:
-  1. `prefill([PrefillChunk(slot, tokens, start, sampling, is_last)])` writes the prompt's KV entries
-     into the slot (in several chunks for a long prompt: `start` is where the chunk begins). The last
-     chunk samples the first output token and makes the slot active.
-  2. `decode()` samples one more token for every active slot at once. The device tracks stop token ids,
-     max_tokens and the context limit itself, so steps can be dispatched back to back without waiting.
-  3. `release(slot)` deactivates a slot early (stop string seen on the host, cancel, deadline).
+  1. `prefill([PrefillChunk(slot, tokens, start, page_ids, ...)])` writes the chunk's KV entries into
+     the request's pages (a long prompt in several chunks; `start` is where the chunk begins, which is
+     past the prompt's cached prefix when pages were shared). The last chunk samples the first output
+     token and makes the slot active.
+  2. `decode(DecodeBatch(positions, page_table))` samples one more token for every slot the host lists
+     whose slot is still active on the device. The device checks stop token ids and max_tokens itself,
+     so steps can be dispatched back to back without waiting; a slot whose token is `done` goes
+     inactive. A request the host ends early (stop string, cancel, preemption) is simply left out of
+     the next batch.
 
 Results come back as `Pending*` handles: calling `.result()` blocks until that step's small packed
 array is on the host, so the caller can dispatch step n+1 before reading step n.
@@ -28,16 +33,35 @@ from jaxinfer.request import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class PrefillChunk:
-    """A piece of one prompt to write into `slot` at positions [start, start + len(token_ids))."""
+    """A piece of a request's tokens, written into its pages at positions [start, start + len(token_ids))."""
 
     slot: int
     token_ids: Sequence[int]
     start: int
     sampling: SamplingParams
-    # The last chunk of a prompt samples the first output token and activates the slot.
+    # The request's pages in position order, covering at least [0, start + len(token_ids)).
+    page_ids: Sequence[int]
+    # The last chunk samples the next output token and activates the slot.
     is_last: bool = True
-    # Every token id of the prompt (needed for repetition/presence penalties); only read when is_last.
+    # Every token id the request has seen (prompt and output so far; penalties); only read when is_last.
     prompt_token_ids: Sequence[int] = ()
+    # Output tokens already produced: a preempted request recomputes its prompt and output and goes on
+    # from there (max_tokens and the sampling key count from it).
+    num_generated: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """One decode step's rows, from the scheduler. Both arrays are indexed by slot.
+
+    positions:  [num_slots] int32: the position of each slot's input token (its request's length so
+                far); -1 leaves the slot out of the step.
+    page_table: [num_slots, pages] int32: each slot's pages in position order, covering its position;
+                entries past a request's pages are the null page (kv_cache.NULL_PAGE).
+    """
+
+    positions: np.ndarray
+    page_table: np.ndarray
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,33 +94,40 @@ class Engine(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def num_slots(self) -> int: ...
+    def num_slots(self) -> int:
+        """Decode rows: most requests running at once."""
 
     @property
     @abc.abstractmethod
     def max_seq_len(self) -> int:
-        """Most tokens (prompt plus output) one slot can hold."""
+        """Most tokens (prompt plus output) one request may hold."""
 
     @property
     @abc.abstractmethod
     def max_prefill_chunk(self) -> int:
-        """Most prompt tokens one PrefillChunk may carry (the largest prefill bucket)."""
+        """Most tokens one PrefillChunk may carry (the largest prefill bucket)."""
+
+    @property
+    @abc.abstractmethod
+    def page_size(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def num_pages(self) -> int:
+        """Pages in the KV pool, the null page included."""
 
     @abc.abstractmethod
     def prefill(self, chunks: Sequence[PrefillChunk]) -> PendingStep:
-        """Writes each chunk into its slot. Chunks must name distinct slots.
+        """Writes each chunk into its pages. Chunks must name distinct slots.
 
         The returned step has one entry per slot: for each chunk with is_last, the first sampled token
         (valid=True, done set if that token already ends the request); all other entries invalid.
         """
 
     @abc.abstractmethod
-    def decode(self) -> PendingStep:
-        """Samples one token for every active slot; a slot whose token is `done` becomes inactive."""
-
-    @abc.abstractmethod
-    def release(self, slot: int) -> None:
-        """Deactivates `slot` now; its next decode produces nothing for it."""
+    def decode(self, batch: DecodeBatch) -> PendingStep:
+        """Samples one token for every listed slot that is active on the device; a slot whose token is
+        `done` becomes inactive."""
 
     def warmup(self) -> float:
         """Compiles every program the engine will run; returns the seconds it took."""

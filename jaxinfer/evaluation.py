@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
-from jaxinfer.kv_cache import init_cache
+from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.model import forward
 from jaxinfer.params import Params
 from jaxinfer.sharding import make_mesh
+
+PAGE_SIZE = 64  # the CPU default (runtime.DEFAULT_PAGE_SIZE)
 
 # A fixed English passage (written for this project) used as the evaluation text.
 EVAL_TEXT = (
@@ -49,11 +51,11 @@ def teacher_forced_logits(
 ) -> np.ndarray:
     """[t, vocab] float32 logits of one pass over `tokens`."""
     t = len(tokens)
-    cache = init_cache(config, CacheConfig(num_slots=1, max_len=t), make_mesh())
-    run = jax.jit(forward, static_argnames=("config", "attend_len", "kernels"))
+    cache, page_table = _cache_for(config, 1, t, "float32")
+    run = jax.jit(forward, static_argnames=("config", "kernels"))
     logits, _ = run(
         params, config, jnp.asarray([tokens], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache,
-        jnp.zeros(1, jnp.int32), attend_len=t, kernels=kernels,
+        page_table, kernels=kernels,
     )  # fmt: skip
     return np.asarray(logits[0])
 
@@ -71,16 +73,13 @@ def teacher_forced_decode_logits(
     the path under test is decode at that many rows with that KV cache (e.g. the CPU default: more than
     four rows multiply a bfloat16 cache in bfloat16)."""
     t = len(tokens)
-    cache = init_cache(config, CacheConfig(num_slots=rows, max_len=t, dtype=cache_dtype), make_mesh())
-    slots = jnp.arange(rows, dtype=jnp.int32)
+    cache, page_table = _cache_for(config, rows, t, cache_dtype)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(token: jax.Array, cache, position: jax.Array):
         inputs = jnp.full((rows, 1), token, jnp.int32)
         positions = jnp.full((rows, 1), position, jnp.int32)
-        logits, cache = forward(
-            params, config, inputs, positions, cache, slots, attend_len=t, all_slots=True, kernels=kernels
-        )
+        logits, cache = forward(params, config, inputs, positions, cache, page_table, kernels=kernels)
         return logits[0, 0], cache
 
     out = []
@@ -88,6 +87,15 @@ def teacher_forced_decode_logits(
         logits, cache = step(jnp.int32(token), cache, jnp.int32(position))
         out.append(logits)
     return np.asarray(jnp.stack(out))
+
+
+def _cache_for(config: ModelConfig, rows: int, length: int, dtype: str):
+    """A page pool holding `rows` sequences of `length` positions, and their page table."""
+    pages = -(-length // PAGE_SIZE)
+    cache_config = CacheConfig(
+        num_pages=rows * pages + 1, page_size=PAGE_SIZE, max_len=length, num_slots=rows, dtype=dtype
+    )
+    return init_cache(config, cache_config, make_mesh()), jnp.asarray(contiguous_page_table(rows, pages))
 
 
 def perplexity(logits: np.ndarray, tokens: list[int]) -> float:

@@ -1,14 +1,18 @@
-"""The Engine on JAX: jitted prefill and decode over one donated device state (cache + per-slot sampling).
+"""The Engine on JAX: jitted prefill and decode over one donated device state (page pool + per-slot state).
 
 Programs, all compiled ahead of time and kept in a table keyed by their static shape bucket:
-  prefill(T, A): one prompt chunk of T tokens (bucketed) into one slot, attending over A cache positions
-                 (A = T's bucket at a prompt's start, the whole slot for later chunks).
-  decode(A, R):  one token for each of the first R slots (the smallest power of two holding every active
-                 slot), attending over the first A cache positions, where A is the smallest bucket that
-                 holds the longest active slot.
-  release:       deactivate one slot.
+  prefill(T, N): one chunk of T tokens (bucketed) of one request, written into its pages, attending
+                 over the first N pages of its page table (N: the page bucket that holds the chunk's
+                 end; a chunk after a cached prefix reads the prefix's pages too).
+  decode(N, R):  one token for each of the first R slots (the smallest power of two holding every
+                 listed slot), attending over N pages per row, the smallest page bucket that holds the
+                 longest row. Kernels that read each row to its own length (native, Pallas) need
+                 one page bucket: the whole page table.
 Nothing else is traced while serving: `warmup()` compiles every bucket, and `compile_count` tells a test
 whether anything compiled later. With JAX's persistent compilation cache on, a second start reuses them.
+
+The engine keeps no host-side record of requests: every call carries the positions and page tables it
+needs (the scheduler owns them), so the programs and their buckets follow from the arguments alone.
 """
 
 from __future__ import annotations
@@ -43,12 +47,11 @@ MAX_STOP_IDS = 16  # stop token ids per request checked on device (eos ids inclu
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class DecodeState:
-    """Everything on the device that lives across steps. Arrays are [slots, ...]."""
+    """Everything on the device that lives across steps. Arrays other than the cache are [slots, ...]."""
 
     cache: KVCache
     tokens: jax.Array  # int32: the last sampled token, input of the next decode step
-    lengths: jax.Array  # int32: tokens held in the cache = position of `tokens`
-    active: jax.Array  # bool
+    active: jax.Array  # bool: the slot's request has not ended on the device
     generated: jax.Array  # int32: output tokens so far
     max_tokens: jax.Array  # int32
     stop_ids: jax.Array  # int32 [slots, MAX_STOP_IDS], -1 padded
@@ -80,36 +83,30 @@ def _prefill_step(
     params: Params,
     state: DecodeState,
     tokens: jax.Array,  # [1, T] int32, padded
-    chunk: jax.Array,  # int32 [4]: slot, start, true_len, is_last
+    chunk: jax.Array,  # int32 [5]: slot, start, true_len, is_last, num_generated
+    page_row: jax.Array,  # [1, N] int32: the request's first N pages
+    seen_row: jax.Array,  # [1, vocab] bool: every token the request has seen (read when is_last)
     settings: SlotSampling,  # this request's settings, arrays of shape [1]
     max_tokens: jax.Array,  # [1] int32
     stop_ids: jax.Array,  # [1, MAX_STOP_IDS] int32
     *,
     config: ModelConfig,
-    attend_len: int,
     kernels: KernelConfig,
+    max_len: int,
 ) -> tuple[DecodeState, jax.Array]:
-    slot, start, true_len, is_last = chunk[0], chunk[1], chunk[2], chunk[3].astype(bool)
+    slot, start, true_len = chunk[0], chunk[1], chunk[2]
+    is_last, num_generated = chunk[3].astype(bool), chunk[4]
     t = tokens.shape[1]
     offsets = jnp.arange(t, dtype=jnp.int32)
-    in_prompt = offsets < true_len
-    max_len = state.cache.max_len
-    positions = jnp.where(in_prompt, start + offsets, max_len)[None]  # padding writes are dropped
-    slots = slot[None]
+    positions = jnp.where(offsets < true_len, start + offsets, -1)[None]  # padding writes nothing
     logits, cache = forward(
-        params, config, tokens, positions, state.cache, slots,
-        attend_len=attend_len, logits_index=(true_len - 1)[None], kernels=kernels,
+        params, config, tokens, positions, state.cache, page_row,
+        logits_index=jnp.maximum(true_len - 1, 0)[None], kernels=kernels,
     )  # fmt: skip
-
-    # A request's penalty set starts empty at its first chunk and gathers every prompt token.
-    seen_row = jnp.where(start == 0, False, state.seen[slot])
-    seen_row = seen_row.at[jnp.where(in_prompt, tokens[0], config.vocab_size)].set(True, mode="drop")
-    token = sample(logits, seen_row[None], settings, jnp.zeros(1, jnp.int32))  # [1]
+    token = sample(logits, seen_row, settings, num_generated[None])  # [1]
     length = start + true_len
-    done, reason = _finish(
-        stop_ids, max_tokens, token, jnp.ones(1, jnp.int32), length[None], state.cache.max_len
-    )
-    seen_row = jnp.where(is_last, seen_row.at[token[0]].set(True), seen_row)
+    generated = num_generated + 1
+    done, reason = _finish(stop_ids, max_tokens, token, generated[None], length[None], max_len)
 
     def put(field, value):
         return field.at[slot].set(value)
@@ -117,13 +114,12 @@ def _prefill_step(
     state = DecodeState(
         cache=cache,
         tokens=put(state.tokens, token[0]),
-        lengths=put(state.lengths, length),
         active=put(state.active, is_last & ~done[0]),
-        generated=put(state.generated, 1),
+        generated=put(state.generated, generated),
         max_tokens=put(state.max_tokens, max_tokens[0]),
         stop_ids=put(state.stop_ids, stop_ids[0]),
         sampling=jax.tree.map(lambda f, v: f.at[slot].set(v[0]), state.sampling, settings),
-        seen=put(state.seen, seen_row),
+        seen=put(state.seen, seen_row[0].at[token[0]].set(True)),
     )
     num_slots = state.tokens.shape[0]
     row = jnp.stack([token[0], is_last.astype(jnp.int32), done[0].astype(jnp.int32), reason[0]])
@@ -134,53 +130,46 @@ def _prefill_step(
 def _decode_step(
     params: Params,
     state: DecodeState,
+    positions: jax.Array,  # [R] int32: each row's input position, -1 for rows left out
+    page_table: jax.Array,  # [R, N] int32
     *,
     config: ModelConfig,
-    attend_len: int,
     kernels: KernelConfig,
-    num_rows: int,
+    max_len: int,
 ) -> tuple[DecodeState, jax.Array]:
-    """One token for each of the first `num_rows` slots (every active slot lies below it: the scheduler
-    fills the lowest free slot first). A decode step costs every row it computes, so at low load a
-    smaller row bucket is several times faster on CPU."""
-    n, num_slots = num_rows, state.tokens.shape[0]
-    slots = jnp.arange(n, dtype=jnp.int32)
-    active = state.active[:n]
-    positions = jnp.where(active, state.lengths[:n], state.cache.max_len)[:, None]
+    """One token for each of the first R slots (every listed slot lies below R: the scheduler fills
+    the lowest free slot first). A decode step costs every row it computes, so at low load a smaller
+    row bucket is several times faster on CPU."""
+    n, num_slots = positions.shape[0], state.tokens.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    active = state.active[:n] & (positions >= 0)
+    positions = jnp.where(active, positions, -1)
     logits, cache = forward(
-        params, config, state.tokens[:n, None], positions, state.cache, slots,
-        attend_len=attend_len, all_slots=True, logits_index=jnp.zeros(n, jnp.int32), kernels=kernels,
+        params, config, state.tokens[:n, None], positions[:, None], state.cache, page_table,
+        logits_index=jnp.zeros(n, jnp.int32), kernels=kernels,
     )  # fmt: skip
     sampling = jax.tree.map(lambda a: a[:n], state.sampling)
     seen = state.seen[:n]
     token = sample(logits, seen, sampling, state.generated[:n])
     generated = state.generated[:n] + 1
-    lengths = state.lengths[:n] + 1
-    done, reason = _finish(
-        state.stop_ids[:n], state.max_tokens[:n], token, generated, lengths, state.cache.max_len
-    )
+    done, reason = _finish(state.stop_ids[:n], state.max_tokens[:n], token, generated, positions + 1, max_len)
     done &= active
 
-    def put(field: jax.Array, rows: jax.Array) -> jax.Array:
-        return field.at[:n].set(rows)
+    def put(field: jax.Array, values: jax.Array) -> jax.Array:
+        return field.at[:n].set(values)
 
     state = dataclasses.replace(
         state,
         cache=cache,
         tokens=put(state.tokens, jnp.where(active, token, state.tokens[:n])),
-        lengths=put(state.lengths, jnp.where(active, lengths, state.lengths[:n])),
         generated=put(state.generated, jnp.where(active, generated, state.generated[:n])),
-        active=put(state.active, active & ~done),
-        seen=put(state.seen, seen.at[slots, token].set(seen[slots, token] | active)),
+        active=put(state.active, state.active[:n] & ~done),
+        seen=put(state.seen, seen.at[rows, token].set(seen[rows, token] | active)),
     )
     packed = _pack(token, active, done, reason)
     if n < num_slots:
         packed = jnp.concatenate([packed, jnp.zeros((num_slots - n, 4), jnp.int32)])
     return state, packed
-
-
-def _release_step(state: DecodeState, slot: jax.Array) -> DecodeState:
-    return dataclasses.replace(state, active=state.active.at[slot].set(False))
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -199,11 +188,10 @@ def with_midpoints(buckets: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Pending(api.PendingStep):
-    def __init__(self, packed: Sequence[jax.Array], on_result):
+    def __init__(self, packed: Sequence[jax.Array]):
         self._packed = list(packed)
         for array in self._packed:
             array.copy_to_host_async()
-        self._on_result = on_result
         self._output: api.StepOutput | None = None
 
     def result(self) -> api.StepOutput:
@@ -215,7 +203,6 @@ class _Pending(api.PendingStep):
             self._output = api.StepOutput(
                 token=rows[:, 0], valid=rows[:, 1] == 1, done=rows[:, 2] == 1, reason=rows[:, 3]
             )
-            self._on_result(self._output)
         return self._output
 
 
@@ -238,38 +225,35 @@ class JaxEngine(api.Engine):
         self.kernels = kernels or KernelConfig.for_backend(
             jax.default_backend(), "xla", single_device=self.mesh.size == 1
         )
-        if self.kernels.attention == "pallas" and (
-            cache_config.layout != "bhsd" or cache_config.dtype == "int8"
-        ):
-            raise ValueError("the Pallas attention kernels need a float KV cache in the 'bhsd' layout")
         self.config = config
         self.cache_config = cache_config
         # Weights on their PARAM_RULES shardings (a no-op when loaded with sharding.param_placement).
         self.params = shard_params(params, self.mesh)
-        max_len = cache_config.max_len
+        max_len, page = cache_config.max_len, cache_config.page_size
         self._prefill_buckets = power_of_two_buckets(
             min(min_prefill_bucket, max_len), min(max_prefill_chunk, max_len)
         )
-        self._attend_buckets = power_of_two_buckets(min(min_attend_bucket, max_len), max_len)
+        # Page buckets: powers of two from the pages of min_attend_bucket positions to a full table.
+        pages_per_seq = cache_config.pages_per_seq
+        self._page_buckets = power_of_two_buckets(
+            min(max(1, min_attend_bucket // page), pages_per_seq), pages_per_seq
+        )
         # XLA decode of more than ROWS_AS_VECTORS rows also gets buckets halfway between powers of two:
         # there attention is a large share of a step (SmolLM2 at 16 rows: ~40%, all of it proportional
         # to the positions read), so ~12% padding instead of ~25% is worth twice the decode programs of
-        # those rows (16 rows at 128-192 positions: 46 -> 43 ms per step). A few rows read mostly weights.
-        self._many_rows_attend_buckets = self._attend_buckets
+        # those rows. A few rows read mostly weights.
+        self._many_rows_page_buckets = self._page_buckets
         if self.kernels.attention == "xla":
-            self._many_rows_attend_buckets = with_midpoints(self._attend_buckets)
-        # Decode computes a prefix of the slots. The Pallas kernel reads the whole cache, and a slot split
-        # over `data` would reshard a prefix, so those always compute every slot.
+            self._many_rows_page_buckets = with_midpoints(self._page_buckets)
+        # Decode computes a prefix of the slots; a slot split over `data` would reshard a prefix, so a
+        # data-parallel mesh always computes every slot.
         slots = cache_config.num_slots
-        prefix_ok = self.kernels.attention in ("xla", "native") and self.mesh.shape[DATA] == 1
+        prefix_ok = self.mesh.shape[DATA] == 1
         self._row_buckets = power_of_two_buckets(1, slots) if prefix_ok else (slots,)
         self.state = self._init_state()
         self._programs: dict[tuple, object] = {}
         self.compile_count = 0
         self._warm = False
-        # Host mirror of what the device will hold: an upper bound on each active slot's length.
-        self._host_len = np.zeros(cache_config.num_slots, np.int64)
-        self._host_active = np.zeros(cache_config.num_slots, bool)
 
     # -- Engine properties -------------------------------------------------------------------------
     @property
@@ -283,6 +267,14 @@ class JaxEngine(api.Engine):
     @property
     def max_prefill_chunk(self) -> int:
         return self._prefill_buckets[-1]
+
+    @property
+    def page_size(self) -> int:
+        return self.cache_config.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache_config.num_pages
 
     # -- State and programs ------------------------------------------------------------------------
     def _init_state(self) -> DecodeState:
@@ -299,7 +291,6 @@ class JaxEngine(api.Engine):
         return DecodeState(
             cache=init_cache(c, self.cache_config, self.mesh),
             tokens=vec(0, np.int32),
-            lengths=vec(0, np.int32),
             active=vec(False, bool),
             generated=vec(0, np.int32),
             max_tokens=vec(1, np.int32),
@@ -327,54 +318,39 @@ class JaxEngine(api.Engine):
                 log.warning("compiling %s after warm-up: a bucket was missed", key)
             start = time.perf_counter()
             replicated = NamedSharding(self.mesh, P())
-            out_shardings = (self._state_shardings(), replicated)
-            kind = key[0]
-            if kind == "prefill":
-                fn = functools.partial(
-                    _prefill_step, config=self.config, attend_len=key[2], kernels=self.kernels
-                )
-            elif kind == "decode":
-                fn = functools.partial(
-                    _decode_step, config=self.config, attend_len=key[1], kernels=self.kernels,
-                    num_rows=key[2],
-                )  # fmt: skip
-            else:
-                fn, out_shardings = _release_step, out_shardings[0]
-            jitted = jax.jit(
-                fn, donate_argnums=(1,) if kind != "release" else (0,), out_shardings=out_shardings
-            )
+            step = _prefill_step if key[0] == "prefill" else _decode_step
+            fn = functools.partial(step, config=self.config, kernels=self.kernels, max_len=self.max_seq_len)
+            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), replicated))
             program = jitted.lower(*args).compile()
             self._programs[key] = program
             self.compile_count += 1
             log.debug("compiled %s in %.2fs", key, time.perf_counter() - start)
         return program
 
-    def _prefill_attend_len(self, start: int, t: int) -> int:
-        """A chunk at the start of a prompt attends over its own bucket; a later chunk over the whole
-        slot. Two programs per chunk bucket instead of one per (chunk, context) pair; the extra keys a
-        later chunk reads cost little next to its matmuls."""
-        return self._bucket(self._attend_buckets, t) if start == 0 else self.max_seq_len
+    def _pages(self, positions: int) -> int:
+        return -(-positions // self.page_size)
+
+    def _prefill_pages(self, start: int, t: int) -> int:
+        """The page bucket of a chunk of bucket t at `start`: every page up to the chunk's end."""
+        return self._bucket(self._page_buckets, self._pages(min(start + t, self.max_seq_len)))
 
     def native_decode_attention(self, rows: int) -> bool:
         """Whether decode steps over `rows` rows attend through the C++ kernel (kernel_dispatch)."""
         return native_decode_attention(self.kernels, self.state.cache, self.config.head_dim, rows)
 
-    def _decode_attend_buckets(self, rows: int) -> tuple[int, ...]:
-        """The attend buckets of decode steps over `rows` (a row bucket). The native kernel reads each
-        slot up to its own length: one program for the whole cache, whatever the lengths."""
-        if self.native_decode_attention(rows):
-            return (self.max_seq_len,)
-        return self._many_rows_attend_buckets if rows > ROWS_AS_VECTORS else self._attend_buckets
-
-    def _decode_bucket(self, rows: int, length: int) -> int:
-        """The attend bucket (program) of a decode step over `rows` rows whose longest slot holds `length`."""
-        return self._bucket(self._decode_attend_buckets(rows), min(length + 1, self.max_seq_len))
+    def _decode_page_buckets(self, rows: int) -> tuple[int, ...]:
+        """The page buckets of decode steps over `rows` (a row bucket). The native and Pallas kernels
+        read each row up to its own length: one program for a whole page table, whatever the lengths."""
+        if self.native_decode_attention(rows) or self.kernels.attention == "pallas":
+            return (self.cache_config.pages_per_seq,)
+        return self._many_rows_page_buckets if rows > ROWS_AS_VECTORS else self._page_buckets
 
     def decode_attend_len(self, rows: int, length: int) -> int:
-        """Cache positions a decode step over `rows` rows reads once its longest slot holds `length`."""
+        """Cache positions a decode step over `rows` rows reads once its longest row holds `length`."""
         if self.native_decode_attention(rows):
             return min(length + 1, self.max_seq_len)
-        return self._decode_bucket(rows, length)
+        pages = self._bucket(self._decode_page_buckets(rows), self._pages(length + 1))
+        return pages * self.page_size
 
     def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
         for b in buckets:
@@ -387,10 +363,7 @@ class JaxEngine(api.Engine):
         slots = [c.slot for c in chunks]
         if len(set(slots)) != len(slots):
             raise ValueError(f"prefill chunks must name distinct slots, got {slots}")
-        packed = []
-        for chunk in chunks:
-            packed.append(self._prefill_one(chunk))
-        return _Pending(packed, self._on_result)
+        return _Pending([self._prefill_one(chunk) for chunk in chunks])
 
     def _prefill_one(self, chunk: api.PrefillChunk) -> jax.Array:
         n = len(chunk.token_ids)
@@ -402,96 +375,102 @@ class JaxEngine(api.Engine):
             raise ValueError(
                 f"chunk [{chunk.start}, {chunk.start + n}) exceeds the context {self.max_seq_len}"
             )
+        if len(chunk.page_ids) < self._pages(chunk.start + n):
+            raise ValueError(f"{len(chunk.page_ids)} pages do not cover positions [0, {chunk.start + n})")
         s = chunk.sampling
         if len(s.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(
                 f"at most {MAX_STOP_IDS} stop token ids (incl. eos), got {len(s.stop_token_ids)}"
             )
         t = self._bucket(self._prefill_buckets, n)
-        a = self._prefill_attend_len(chunk.start, t)
+        pages = self._prefill_pages(chunk.start, t)
         tokens = np.zeros((1, t), np.int32)
         tokens[0, :n] = chunk.token_ids
+        page_row = np.zeros((1, pages), np.int32)
+        page_ids = chunk.page_ids[:pages]
+        page_row[0, : len(page_ids)] = page_ids
+        seen_row = np.zeros((1, self.config.vocab_size), bool)
+        if chunk.is_last:
+            seen_row[0, list(chunk.prompt_token_ids)] = True
         args = (
             self.params,
             self.state,
             tokens,
-            np.array([chunk.slot, chunk.start, n, int(chunk.is_last)], np.int32),
+            np.array([chunk.slot, chunk.start, n, int(chunk.is_last), chunk.num_generated], np.int32),
+            page_row,
+            seen_row,
             _settings(s),
             np.array([s.max_tokens], np.int32),
             _stop_row(s.stop_token_ids),
         )
-        program = self._program(("prefill", t, a), args)
+        program = self._program(("prefill", t, pages), args)
         self.state, packed = program(*args)
-        self._host_len[chunk.slot] = chunk.start + n
-        self._host_active[chunk.slot] = chunk.is_last
         return packed
 
-    def decode(self) -> api.PendingStep:
-        longest = int(self._host_len[self._host_active].max(initial=0))
-        active = np.flatnonzero(self._host_active)
-        rows = self._bucket(self._row_buckets, int(active[-1]) + 1 if active.size else 1)
-        a = self._decode_bucket(rows, longest)
-        args = (self.params, self.state)
-        self.state, packed = self._program(("decode", a, rows), args)(*args)
-        self._host_len[self._host_active] += 1
-        return _Pending([packed], self._on_result)
+    def decode(self, batch: api.DecodeBatch) -> api.PendingStep:
+        listed = np.flatnonzero(batch.positions >= 0)
+        rows = self._bucket(self._row_buckets, int(listed[-1]) + 1 if listed.size else 1)
+        longest = int(batch.positions.max(initial=-1)) + 1
+        pages = self._bucket(self._decode_page_buckets(rows), max(self._pages(longest), 1))
+        positions = np.asarray(batch.positions[:rows], np.int32)
+        page_table = np.zeros((rows, pages), np.int32)
+        width = min(pages, batch.page_table.shape[1])
+        page_table[:, :width] = batch.page_table[:rows, :width]
+        args = (self.params, self.state, positions, page_table)
+        self.state, packed = self._program(("decode", pages, rows), args)(*args)
+        return _Pending([packed])
 
-    def release(self, slot: int) -> None:
-        args = (self.state, np.int32(slot))
-        self.state = self._program(("release",), args)(*args)
-        self._host_active[slot] = False
-
-    def _on_result(self, out: api.StepOutput) -> None:
-        self._host_active[out.valid & out.done] = False
+    def _prefill_args(self, t: int, pages: int) -> tuple:
+        """Bucket-shaped arguments of a prefill that changes nothing: an empty chunk into slot 0 (its
+        padding writes go to the null page), not the last one, so the slot stays inactive."""
+        return (
+            self.params, self.state, np.zeros((1, t), np.int32), np.zeros(5, np.int32),
+            np.zeros((1, pages), np.int32), np.zeros((1, self.config.vocab_size), bool),
+            _settings(SamplingParams()), np.ones(1, np.int32), _stop_row(()),
+        )  # fmt: skip
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int = 0) -> float:
         """Compiles programs ahead of use, runs each once, and returns the seconds it took.
 
-        With no arguments, every program serving can hit: prefill for each chunk bucket (at a prompt's
-        start and later), decode for each (attend, rows) bucket, and release. With `prompt_lengths`
-        (one job of that many prompts), only the programs that job needs, so its timings are clean.
+        With no arguments, every program serving can hit: prefill for each chunk bucket with each page
+        bucket that can hold its end, decode for each (pages, rows) bucket. With `prompt_lengths` (one
+        job of that many prompts), only the programs that job needs, so its timings are clean.
         A program's first run costs ~0.4 s more than later ones on XLA:CPU (a SmolLM2 decode step: 440
-        vs 42 ms), so while no slot is active each runs once here, as a no-op on the state: prefill
-        with an empty chunk (every write dropped, the slot left inactive), decode over inactive slots.
+        vs 42 ms), so each runs once here as a no-op: an empty prefill chunk that leaves slot 0 inactive,
+        a decode step listing no row. It must run while no request holds a slot.
         """
         start = time.perf_counter()
         if prompt_lengths is None:
             prefill = {
-                (t, self._prefill_attend_len(begin, t)) for t in self._prefill_buckets for begin in (0, 1)
+                (t, pages)
+                for t in self._prefill_buckets
+                for pages in self._page_buckets
+                if pages >= self._prefill_pages(0, t)
             }
-            decode = {(a, rows) for rows in self._row_buckets for a in self._decode_attend_buckets(rows)}
+            decode = {(p, rows) for rows in self._row_buckets for p in self._decode_page_buckets(rows)}
         else:
             chunk = self.max_prefill_chunk
             prefill = set()
             for n in prompt_lengths:
                 for begin in range(0, n, chunk):
                     t = self._bucket(self._prefill_buckets, min(chunk, n - begin))
-                    prefill.add((t, self._prefill_attend_len(begin, t)))
-            shortest = min(prompt_lengths)
-            longest = min(max(prompt_lengths) + max_new_tokens, self.max_seq_len)
+                    prefill.add((t, self._prefill_pages(begin, t)))
+            shortest = self._pages(min(prompt_lengths) + 1)
+            longest = self._pages(min(max(prompt_lengths) + max_new_tokens, self.max_seq_len))
             most_rows = self._bucket(self._row_buckets, min(len(prompt_lengths), self.num_slots))
             decode = set()
             for rows in (r for r in self._row_buckets if r <= most_rows):
-                buckets = self._decode_attend_buckets(rows)
-                last = self._bucket(buckets, longest)
-                decode |= {(a, rows) for a in buckets if shortest <= a <= last}
-        dummy = SamplingParams()
-        run = not self._host_active.any()
-        for t, a in sorted(prefill):
-            # The programs are looked up by bucket, so lower with bucket-shaped dummies: slot 0, start 0,
-            # no tokens, not the last chunk.
+                buckets = self._decode_page_buckets(rows)
+                first, last = self._bucket(buckets, shortest), self._bucket(buckets, longest)
+                decode |= {(p, rows) for p in buckets if first <= p <= last}
+        for t, pages in sorted(prefill):
+            args = self._prefill_args(t, pages)
+            self.state, _ = self._program(("prefill", t, pages), args)(*args)
+        for pages, rows in sorted(decode):
             args = (
-                self.params, self.state, np.zeros((1, t), np.int32), np.zeros(4, np.int32),
-                _settings(dummy), np.ones(1, np.int32), _stop_row(()),
+                self.params, self.state, np.full(rows, -1, np.int32), np.zeros((rows, pages), np.int32)
             )  # fmt: skip
-            program = self._program(("prefill", t, a), args)
-            if run:
-                self.state, _ = program(*args)
-        for a, rows in sorted(decode):
-            program = self._program(("decode", a, rows), (self.params, self.state))
-            if run:
-                self.state, _ = program(self.params, self.state)
-        self._program(("release",), (self.state, np.int32(0)))
+            self.state, _ = self._program(("decode", pages, rows), args)(*args)
         jax.block_until_ready(self.state)
         self._warm = prompt_lengths is None
         return time.perf_counter() - start

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig
 from jaxinfer.cpu_kernels import decode_attention_cpu, decode_attention_supports, int8_matmul_vnni
-from pallas_kernels import decode_attention, flash_attention, int8_matmul, quantize_int8
+from pallas_kernels import int8_matmul, quantize_int8
+from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
 
@@ -117,8 +118,8 @@ def attention_bias(q_positions: jax.Array, key_len: int, sliding_window: int | N
 
 def attention_xla(
     q: jax.Array,  # [b, t, h, d]
-    k: jax.Array,  # [b, kv, s, d]
-    v: jax.Array,  # [b, kv, s, d]
+    k: jax.Array,  # [kv, b, s, d], as KVCache.read gathers them
+    v: jax.Array,  # [kv, b, s, d]
     bias: jax.Array,  # [b, t, s], from attention_bias
     *,
     scale: float,
@@ -132,7 +133,7 @@ def attention_xla(
     that, and in prefill, float32 products are as fast and exact.
     """
     b, t, h, d = q.shape
-    num_kv = k.shape[1]
+    num_kv = k.shape[0]
     out_dtype = q.dtype
     narrow = t == 1 and b > ROWS_AS_VECTORS and k.dtype.itemsize < q.dtype.itemsize
     q, k, v = (a.astype(k.dtype if narrow else q.dtype) for a in (q, k, v))
@@ -140,12 +141,12 @@ def attention_xla(
         qg = q.reshape(b, num_kv, h // num_kv, d)
         # Keys as the left operand ([s, d] x [d, g]): XLA:CPU's YNNPACK dot then packs the small query
         # block, not the keys (SmolLM2 at 256 positions: 34 -> 15 us per layer).
-        scores = jnp.einsum("bksd,bkgd->bksg", k, qg, preferred_element_type=jnp.float32)
+        scores = jnp.einsum("kbsd,bkgd->bksg", k, qg, preferred_element_type=jnp.float32)
         scores = jnp.swapaxes(scores, -1, -2) * scale
         bias = bias[:, None]  # [b, 1, 1, s]
     else:
         qg = q.reshape(b, t, num_kv, h // num_kv, d)
-        scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+        scores = jnp.einsum("btkgd,kbsd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
         bias = bias[:, None, None]  # [b, 1, 1, t, s]
     if softcap is not None:
         scores = softcap * jnp.tanh(scores / softcap)
@@ -155,52 +156,55 @@ def attention_xla(
     weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     denom = jnp.sum(weights, axis=-1, keepdims=True)  # [b, k, g, 1] or [b, k, g, t, 1]
     if t == 1:
-        out = jnp.einsum("bkgs,bksd->bkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = jnp.einsum("bkgs,kbsd->bkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
     else:
-        out = jnp.einsum("bkgts,bksd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        out = jnp.einsum("bkgts,kbsd->btkgd", weights.astype(v.dtype), v, preferred_element_type=jnp.float32)
         denom = jnp.moveaxis(denom, 3, 1)  # [b, t, k, g, 1]
     denom = jnp.broadcast_to(denom.reshape(b, t, h, 1), (b, t, h, d)).reshape(b, t, h * d)
     return (out.reshape(b, t, h * d) / denom).astype(out_dtype).reshape(b, t, h, d)
 
 
 def prefill_attention_pallas(
-    q: jax.Array,  # [b, t, h, d]
-    k: jax.Array,  # [b, kv, s, d]
-    v: jax.Array,  # [b, kv, s, d]
+    q: jax.Array,  # [b, t, h, d], the chunk's queries
+    cache,  # KVCache already holding the chunk's keys and values
+    page_table: jax.Array,  # [b, pages]
     q_start: jax.Array,  # [b]: absolute position of q[:, 0]
+    kv_lens: jax.Array,  # [b]: valid keys per row (q_start + the chunk's true length)
     *,
+    layer: int,
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
     interpret: bool,
 ) -> jax.Array:
-    """The Pallas flash-attention kernel; every cached key up to a query's position is valid."""
-    kv_lengths = jnp.full(q.shape[:1], k.shape[2], jnp.int32)
-    out = flash_attention(
-        q.transpose(0, 2, 1, 3), k, v, q_offsets=q_start.astype(jnp.int32), kv_lengths=kv_lengths,
-        sm_scale=scale, causal=True, sliding_window=sliding_window, logit_softcap=softcap,
-        interpret=interpret,
+    """The Pallas paged prefill kernel: the chunk's queries over the row's cached pages (its own keys
+    included), read through the page table inside the kernel."""
+    k_pages, v_pages = cache.arrays()
+    return paged_prefill_attention(
+        q, k_pages, v_pages, q_start.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table,
+        layer=layer, sm_scale=scale, sliding_window=sliding_window, logit_softcap=softcap,
+        k_scale=cache.k_scale, v_scale=cache.v_scale, interpret=interpret,
     )  # fmt: skip
-    return out.transpose(0, 2, 1, 3)
 
 
 def decode_attention_pallas(
-    q: jax.Array,  # [slots, 1, h, d]
-    k_cache: jax.Array,  # [layers, slots, kv, max_len, d], the whole cache
-    v_cache: jax.Array,
-    lengths: jax.Array,  # [slots]: keys per slot incl. the new token; 0 for inactive slots
+    q: jax.Array,  # [rows, 1, h, d]
+    cache,  # KVCache holding this step's keys and values
+    page_table: jax.Array,  # [rows, pages]
+    lengths: jax.Array,  # [rows]: keys per row incl. the new token; 0 for rows without a request
     *,
     layer: int,
-    attend_len: int,
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
     interpret: bool,
 ) -> jax.Array:
-    """The Pallas decode kernel reads the layer straight out of the whole cache (no XLA slice copy)."""
-    out = decode_attention(
-        q[:, 0], k_cache, v_cache, lengths, layer=layer, sm_scale=scale, sliding_window=sliding_window,
-        logit_softcap=softcap, max_len_bucket=attend_len, interpret=interpret,
+    """The Pallas paged decode kernel reads the layer's pages in place (no XLA gather)."""
+    k_pages, v_pages = cache.arrays()
+    out = paged_decode_attention(
+        q[:, 0], k_pages, v_pages, lengths, page_table, layer=layer, sm_scale=scale,
+        sliding_window=sliding_window, logit_softcap=softcap, k_scale=cache.k_scale,
+        v_scale=cache.v_scale, interpret=interpret,
     )  # fmt: skip
     return out[:, None]
 
@@ -213,31 +217,31 @@ NATIVE_ATTENTION_MIN_ROWS = 2
 
 def native_decode_attention(kernels: KernelConfig, cache, head_dim: int, rows: int) -> bool:
     """Whether a decode step over `rows` rows attends through the C++ kernel: attention "native", at
-    least NATIVE_ATTENTION_MIN_ROWS rows and a cache the kernel reads (the "bhsd" layout, float32 or
-    bfloat16 bit patterns; an int8 cache stays on XLA)."""
+    least NATIVE_ATTENTION_MIN_ROWS rows and pages the kernel reads (float32 or bfloat16 bit
+    patterns; an int8 cache stays on XLA)."""
     return (
         kernels.attention == "native"
         and rows >= NATIVE_ATTENTION_MIN_ROWS
-        and cache.layout == "bhsd"
         and not cache.quantized
         and decode_attention_supports(cache.k.dtype, head_dim)
     )
 
 
 def decode_attention_native(
-    q: jax.Array,  # [rows, 1, h, d]: the first `rows` slots of the cache
+    q: jax.Array,  # [rows, 1, h, d]
     cache,  # KVCache holding this step's keys and values
-    lengths: jax.Array,  # [rows]: keys per slot incl. the new token; 0 for inactive slots
+    page_table: jax.Array,  # [rows, pages]
+    lengths: jax.Array,  # [rows]: keys per row incl. the new token; 0 for rows without a request
     *,
     layer: int,
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
 ) -> jax.Array:
-    """The C++ decode kernel reads the layer straight out of the cache's storage (no XLA slice copy),
-    each slot up to its own length."""
+    """The C++ decode kernel reads the layer's pages straight out of the cache's storage (no XLA
+    gather), each row up to its own length."""
     out = decode_attention_cpu(
-        q[:, 0], cache.k, cache.v, lengths, layer=layer, scale=scale, sliding_window=sliding_window,
-        softcap=softcap,
+        q[:, 0], cache.k, cache.v, page_table, lengths, layer=layer, scale=scale,
+        sliding_window=sliding_window, softcap=softcap,
     )  # fmt: skip
     return out[:, None].astype(q.dtype)

@@ -65,6 +65,21 @@ class _RateWindow:
             self._events.popleft()
 
 
+_GAUGES = {  # name: (Prometheus name after jaxinfer_, help)
+    "queue_depth": ("queue_depth", "Requests waiting for a slot or KV pages."),
+    "running": ("running_requests", "Requests holding a slot."),
+    "slot_occupancy": ("slot_occupancy", "Busy slots / slots."),
+    "kv_cache_utilization": ("kv_cache_utilization", "KV pages held by requests / usable pages."),
+    "kv_pages_used": ("kv_pages_used", "KV pages held by requests."),
+    "kv_pages_total": ("kv_pages_total", "Usable KV pages in the pool."),
+}
+_COUNTS = {
+    "preemptions": ("preemptions", "Requests preempted for lack of KV pages (recomputed later)."),
+    "prefix_cache_queries": ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache."),
+}
+
+
 class ServingMetrics:
     """Thread-safe recorder; `registry` is what the Prometheus endpoint serves."""
 
@@ -83,7 +98,7 @@ class ServingMetrics:
         self._windows = {name: collections.deque(maxlen=window) for name in LATENCIES}
         self._prefill_rate = _RateWindow(rate_window_s)
         self._decode_rate = _RateWindow(rate_window_s)
-        self._state = {"queue_depth": 0.0, "running": 0.0, "slot_occupancy": 0.0, "kv_cache_utilization": 0.0}
+        self._state = dict.fromkeys(_GAUGES, 0.0) | dict.fromkeys(_COUNTS, 0.0)
         r = self.registry
         self._histograms = {
             name: prometheus_client.Histogram(
@@ -101,18 +116,13 @@ class ServingMetrics:
             "jaxinfer_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
         )
         self._gauges = {
-            "queue_depth": prometheus_client.Gauge(
-                "jaxinfer_queue_depth", "Requests waiting for a slot.", registry=r
-            ),
-            "running": prometheus_client.Gauge(
-                "jaxinfer_running_requests", "Requests holding a slot.", registry=r
-            ),
-            "slot_occupancy": prometheus_client.Gauge(
-                "jaxinfer_slot_occupancy", "Busy slots / slots.", registry=r
-            ),
-            "kv_cache_utilization": prometheus_client.Gauge(
-                "jaxinfer_kv_cache_utilization", "Tokens held in slots / (slots * max_seq_len).", registry=r
-            ),
+            name: prometheus_client.Gauge(f"jaxinfer_{metric}", text, registry=r)
+            for name, (metric, text) in _GAUGES.items()
+        }
+        # Totals the scheduler keeps; set_state adds what they grew by since the last call.
+        self._counters = {
+            name: prometheus_client.Counter(f"jaxinfer_{metric}", text, registry=r)
+            for name, (metric, text) in _COUNTS.items()
         }
         r.register(_WindowCollector(self))
 
@@ -158,18 +168,40 @@ class ServingMetrics:
             self._generation_tokens.inc(num_decode_tokens)
 
     def set_state(
-        self, *, queue_depth: int, running: int, slot_occupancy: float, kv_cache_utilization: float
+        self,
+        *,
+        queue_depth: int,
+        running: int,
+        slot_occupancy: float,
+        kv_cache_utilization: float,
+        kv_pages_used: int = 0,
+        kv_pages_total: int = 0,
+        num_preemptions: int = 0,
+        prefix_cache_query_tokens: int = 0,
+        prefix_cache_hit_tokens: int = 0,
     ) -> None:
-        state = {
+        """Gauges as they are now, and the scheduler's running totals (counters)."""
+        gauges = {
             "queue_depth": float(queue_depth),
             "running": float(running),
             "slot_occupancy": float(slot_occupancy),
             "kv_cache_utilization": float(kv_cache_utilization),
+            "kv_pages_used": float(kv_pages_used),
+            "kv_pages_total": float(kv_pages_total),
+        }
+        totals = {
+            "preemptions": float(num_preemptions),
+            "prefix_cache_queries": float(prefix_cache_query_tokens),
+            "prefix_cache_hits": float(prefix_cache_hit_tokens),
         }
         with self._lock:
-            self._state.update(state)
-        for name, value in state.items():
+            grown = {name: value - self._state[name] for name, value in totals.items()}
+            self._state.update(gauges | totals)
+        for name, value in gauges.items():
             self._gauges[name].set(value)
+        for name, delta in grown.items():
+            if delta > 0:
+                self._counters[name].inc(delta)
 
     # ---- reading -------------------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The transformer forward pass for the Llama family and Gemma 3, as pure functions over a params pytree.
 
 One function serves prefill and decode: `forward` takes `tokens [batch, seq]` at absolute `positions`,
-writes their K/V into the preallocated cache for `slots`, and attends over the first `attend_len` cache
-positions (a static bucket, so decode reads only as much of the cache as the longest slot needs).
+writes their K/V into the pages of the paged cache that each row's page table names, and attends over
+the positions those pages hold (the table's width is a static bucket, so decode reads only as many
+pages as the longest row needs).
 
 Axis letters in einsums: b batch, t query position, s key position, k kv head, g query heads per kv head,
 h head, d head dim.
@@ -94,14 +95,12 @@ def _layer(
     index: int,
     p: dict[str, jax.Array],
     x: jax.Array,  # [b, t, hidden]
-    positions: jax.Array,  # [b, t], clamped into the cache
-    write_positions: jax.Array,  # [b, t], >= max_len where the write must be dropped
+    positions: jax.Array,  # [b, t], absolute; -1 where there is no token (padding, an idle row)
     rope: tuple[jax.Array, jax.Array],
-    bias: jax.Array,  # [b, t, attend_len], this layer kind's attention mask as an additive bias
+    bias: jax.Array,  # [b, t, pages * page_size], this layer kind's attention mask as an additive bias
     cache: KVCache,
-    slots: jax.Array,
-    read_slots: jax.Array | int,
-    attend_len: int,
+    page_table: jax.Array,  # [b, pages]
+    write_at: tuple[jax.Array, jax.Array],  # (page, offset) of every token, [b, t] each
     kernels: KernelConfig,
 ) -> tuple[jax.Array, KVCache]:
     c = config
@@ -124,30 +123,23 @@ def _layer(
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    cache = cache.write(index, slots, write_positions, k, v)
+    cache = cache.write(index, *write_at, k, v)
     window = c.sliding_window if sliding else None
-    every_slot = isinstance(read_slots, int) and read_slots == cache.num_slots
-    if kernels.attention == "pallas" and every_slot and t == 1:
-        lengths = jnp.where(write_positions[:, 0] < cache.max_len, positions[:, 0] + 1, 0)
-        attn = decode_attention_pallas(
-            q, *cache.arrays(), lengths, layer=index, attend_len=attend_len, scale=c.attn_scale,
-            sliding_window=window, softcap=c.attn_logit_softcap, interpret=kernels.interpret,
-        )  # fmt: skip
-    elif t == 1 and isinstance(read_slots, int) and native_decode_attention(kernels, cache, c.head_dim, b):
-        lengths = jnp.where(write_positions[:, 0] < cache.max_len, positions[:, 0] + 1, 0)
-        attn = decode_attention_native(
-            q, cache, lengths, layer=index, scale=c.attn_scale, sliding_window=window,
-            softcap=c.attn_logit_softcap,
-        )  # fmt: skip
+    # Keys per row: up to the row's last real token (0 for an idle row).
+    lengths = jnp.max(positions, axis=1) + 1
+    attend = dict(layer=index, scale=c.attn_scale, sliding_window=window, softcap=c.attn_logit_softcap)
+    if kernels.attention == "pallas" and t == 1:
+        attn = decode_attention_pallas(q, cache, page_table, lengths, interpret=kernels.interpret, **attend)
+    elif t == 1 and native_decode_attention(kernels, cache, c.head_dim, b):
+        attn = decode_attention_native(q, cache, page_table, lengths, **attend)
+    elif kernels.attention == "pallas":
+        q_start = jnp.maximum(positions[:, 0], 0)
+        attn = prefill_attention_pallas(
+            q, cache, page_table, q_start, lengths, interpret=kernels.interpret, **attend
+        )
     else:
-        keys, values = cache.read(index, read_slots, attend_len)  # [b, kv_heads, attend_len, d]
-        if kernels.attention == "pallas":
-            attn = prefill_attention_pallas(
-                q, keys.astype(q.dtype), values.astype(q.dtype), positions[:, 0], scale=c.attn_scale,
-                sliding_window=window, softcap=c.attn_logit_softcap, interpret=kernels.interpret,
-            )  # fmt: skip
-        else:
-            attn = attention_xla(q, keys, values, bias, scale=c.attn_scale, softcap=c.attn_logit_softcap)
+        keys, values = cache.read(index, page_table)  # [kv_heads, b, pages * page_size, d]
+        attn = attention_xla(q, keys, values, bias, scale=c.attn_scale, softcap=c.attn_logit_softcap)
     attn = linear(attn.reshape(b, t, c.num_heads * c.head_dim), p["o_proj"], kernels)
     if c.sandwich_norms:
         attn = rms_norm(attn, p["post_attn_norm"], c.rms_norm_eps)
@@ -169,20 +161,18 @@ def forward(
     params: Params,
     config: ModelConfig,
     tokens: jax.Array,  # [b, t] int32
-    positions: jax.Array,  # [b, t] int32, absolute positions; >= max_len means "do not write"
+    positions: jax.Array,  # [b, t] int32, absolute positions; -1 means no token (nothing is written)
     cache: KVCache,
-    slots: jax.Array,  # [b] int32, the cache slot of each row
+    page_table: jax.Array,  # [b, pages] int32: each row's pages, covering every position it attends
     *,
-    attend_len: int,
-    all_slots: bool = False,
     logits_index: jax.Array | None = None,  # [b] int32: compute logits only at tokens[:, index]
     kernels: KernelConfig = XLA_KERNELS,
 ) -> tuple[jax.Array, KVCache]:
     """Runs the model over new tokens and returns (logits, cache).
 
     logits: [b, t, vocab] float32, or [b, vocab] when `logits_index` is given.
-    `all_slots` says that `slots` is arange(b), a prefix of the cache's slots (decode), so cache reads
-    are static slices.
+    Each row attends over positions [0, pages * page_size) of its own pages, causally; the width of
+    `page_table` is static (a bucket), its contents are data.
     """
     c = config
     dtype = params["final_norm"].dtype
@@ -190,25 +180,23 @@ def forward(
     if c.embed_scale != 1.0:
         # Gemma rounds the scale to the activation dtype before multiplying.
         x = x * jnp.asarray(c.embed_scale, dtype=x.dtype)
-    # Positions past the cache end (inactive slots) only mark writes to drop; clamp them for RoPE and masks.
-    rope_pos = jnp.minimum(positions, cache.max_len - 1)
+    # Padding positions (-1) only mark writes to drop; clamp them for RoPE and masks.
+    rope_pos = jnp.maximum(positions, 0)
     global_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
     local_rope = global_rope
     if "sliding_attention" in c.layer_types:
         local_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_local_theta, RopeScaling()))
-    read_slots = tokens.shape[0] if all_slots else slots
+    attend_len = page_table.shape[1] * cache.page_size
     global_bias = attention_bias(rope_pos, attend_len, None)
     local_bias = global_bias
     if "sliding_attention" in c.layer_types:
         local_bias = attention_bias(rope_pos, attend_len, c.sliding_window)
+    write_at = cache.page_slots(page_table, positions)
 
     for i, layer_params in enumerate(params["layers"]):
         local = c.layer_types[i] == "sliding_attention"
         rope, bias = (local_rope, local_bias) if local else (global_rope, global_bias)
-        x, cache = _layer(
-            c, i, layer_params, x, rope_pos, positions, rope, bias, cache, slots, read_slots, attend_len,
-            kernels,
-        )  # fmt: skip
+        x, cache = _layer(c, i, layer_params, x, positions, rope, bias, cache, page_table, write_at, kernels)
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [b, hidden]

@@ -5,15 +5,15 @@ same compiled programs in the same order, each feeding its own devices; the coll
 programs connect them. A scheduler, however, runs once, on process 0, which owns the front end (gRPC,
 CLI output). So:
 
-  process 0:  LockstepEngine(engine) wraps the local JaxEngine. Every engine call (prefill chunks, decode,
-              release, the first `result()` of each step, warmup) is first sent to every follower over a
-              TCP control channel, then run locally.
+  process 0:  LockstepEngine(engine) wraps the local JaxEngine. Every engine call (prefill chunks, a
+              decode batch, warmup) is first sent to every follower over a TCP control channel, then run
+              locally.
   others:     follow(engine) receives those calls and replays them, in order, on their own JaxEngine
               until process 0 sends shutdown.
 
-Replaying `result()` matters: the engine picks the decode program's attention bucket from what earlier
-results told it, so followers must see results at the same points to pick the same programs.
-Messages are small length-prefixed JSON; the channel listens on the coordinator's port + 1 by default.
+Each call carries everything that picks its program (positions, page tables: the scheduler owns them),
+so followers replay the calls alone and never wait for results. Messages are small length-prefixed
+JSON; the channel listens on the coordinator's port + 1 by default.
 
 Typical use (every process, same arguments except the process id):
 
@@ -25,7 +25,6 @@ Typical use (every process, same arguments except the process id):
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
@@ -36,6 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import jax
+import numpy as np
 
 from jaxinfer import engine as api
 from jaxinfer.request import SamplingParams
@@ -45,7 +45,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _HEADER = struct.Struct("!I")  # message length, network byte order
 _MAX_MESSAGE = 64 << 20
-_KEPT_PENDING = 256  # followers keep this many unread steps (a leader that never reads one loses nothing)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +222,10 @@ def _chunk_to_json(chunk: api.PrefillChunk) -> dict:
         "token_ids": [int(t) for t in chunk.token_ids],
         "start": chunk.start,
         "sampling": dataclasses.asdict(chunk.sampling),
+        "page_ids": [int(p) for p in chunk.page_ids],
         "is_last": chunk.is_last,
         "prompt_token_ids": [int(t) for t in chunk.prompt_token_ids],
+        "num_generated": chunk.num_generated,
     }
 
 
@@ -236,24 +237,14 @@ def _chunk_from_json(d: dict) -> api.PrefillChunk:
         token_ids=d["token_ids"],
         start=d["start"],
         sampling=sampling,
+        page_ids=d["page_ids"],
         is_last=d["is_last"],
         prompt_token_ids=d["prompt_token_ids"],
+        num_generated=d["num_generated"],
     )
 
 
 # -- Process 0 ----------------------------------------------------------------------------------------------
-
-
-class _LockstepPending(api.PendingStep):
-    def __init__(self, owner: LockstepEngine, step: int, inner: api.PendingStep):
-        self._owner, self._step, self._inner = owner, step, inner
-        self._announced = False
-
-    def result(self) -> api.StepOutput:
-        if not self._announced:
-            self._announced = True
-            self._owner._broadcast({"op": "result", "step": self._step})
-        return self._inner.result()
 
 
 class LockstepEngine(api.Engine):
@@ -266,7 +257,6 @@ class LockstepEngine(api.Engine):
     def __init__(self, engine: api.Engine, followers: Sequence[socket.socket]):
         self.engine = engine
         self._followers = list(followers)
-        self._step = 0
         self._closed = False
 
     @property
@@ -281,30 +271,30 @@ class LockstepEngine(api.Engine):
     def max_prefill_chunk(self) -> int:
         return self.engine.max_prefill_chunk
 
+    @property
+    def page_size(self) -> int:
+        return self.engine.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self.engine.num_pages
+
     def _broadcast(self, message: dict) -> None:
         if self._closed:
             raise RuntimeError("the lockstep engine is closed")
         for sock in self._followers:
             _send(sock, message)
 
-    def _next_step(self) -> int:
-        self._step += 1
-        return self._step
-
     def prefill(self, chunks: Sequence[api.PrefillChunk]) -> api.PendingStep:
-        step = self._next_step()
         # Sent before running: a call that raises here raises identically on every follower.
-        self._broadcast({"op": "prefill", "step": step, "chunks": [_chunk_to_json(c) for c in chunks]})
-        return _LockstepPending(self, step, self.engine.prefill(chunks))
+        self._broadcast({"op": "prefill", "chunks": [_chunk_to_json(c) for c in chunks]})
+        return self.engine.prefill(chunks)
 
-    def decode(self) -> api.PendingStep:
-        step = self._next_step()
-        self._broadcast({"op": "decode", "step": step})
-        return _LockstepPending(self, step, self.engine.decode())
-
-    def release(self, slot: int) -> None:
-        self._broadcast({"op": "release", "slot": int(slot)})
-        self.engine.release(slot)
+    def decode(self, batch: api.DecodeBatch) -> api.PendingStep:
+        self._broadcast(
+            {"op": "decode", "positions": batch.positions.tolist(), "page_table": batch.page_table.tolist()}
+        )
+        return self.engine.decode(batch)
 
     def warmup(self) -> float:
         self._broadcast({"op": "warmup"})
@@ -354,7 +344,6 @@ def follow(engine: api.Engine, cluster: Cluster, *, timeout_s: float = 300.0) ->
     if mesh is not None:
         check_mesh_spans_processes(mesh, cluster.num_processes)
     sock = _connect_to_leader(cluster, timeout_s)
-    pending: collections.OrderedDict[int, api.PendingStep] = collections.OrderedDict()
     calls = 0
     try:
         while True:
@@ -367,16 +356,11 @@ def follow(engine: api.Engine, cluster: Cluster, *, timeout_s: float = 300.0) ->
             calls += 1
             try:
                 if op == "prefill":
-                    chunks = [_chunk_from_json(c) for c in message["chunks"]]
-                    pending[message["step"]] = engine.prefill(chunks)
+                    engine.prefill([_chunk_from_json(c) for c in message["chunks"]])
                 elif op == "decode":
-                    pending[message["step"]] = engine.decode()
-                elif op == "result":
-                    step = pending.pop(message["step"], None)
-                    if step is not None:
-                        step.result()
-                elif op == "release":
-                    engine.release(message["slot"])
+                    positions = np.asarray(message["positions"], np.int32)
+                    page_table = np.asarray(message["page_table"], np.int32)
+                    engine.decode(api.DecodeBatch(positions, page_table))
                 elif op == "warmup":
                     engine.warmup()
                 else:
@@ -384,8 +368,6 @@ def follow(engine: api.Engine, cluster: Cluster, *, timeout_s: float = 300.0) ->
             except ValueError as e:
                 # Process 0 made the same call with the same arguments, so it failed the same way there.
                 log.warning("replayed %s failed as on process 0: %s", op, e)
-            while len(pending) > _KEPT_PENDING:
-                pending.popitem(last=False)
     finally:
         sock.close()
 

@@ -3,19 +3,19 @@
 One request's life:
   1. `submit()` (any thread) validates the request, adds it to the scheduler's bounded waiting queue
      (QueueFull at once when full) and returns a RequestHandle.
-  2. The device thread loops: apply cancellations, `scheduler.schedule()`, then dispatch
-     `engine.release` / `engine.prefill` / `engine.decode` for the step. It does not wait for a step
+  2. The device thread loops: `scheduler.schedule()`, then dispatch `engine.prefill` /
+     `engine.decode` for the step (scheduler.dispatch). It does not wait for a step
      before dispatching the next one: after dispatching step n+1 it reads step n's results and calls
      `scheduler.update_from_output`, so host work overlaps device work. A slot that finished in step n
      may carry one speculative token in step n+1; the scheduler drops it (see scheduler.py).
   3. `update_from_output` appends the tokens, runs each request's IncrementalDetokenizer (UTF-8 safe
-     text) and its stop strings, and frees slots at once. Its RequestOutputs go, with a timestamp, to
-     the stream thread through a bounded queue.
+     text) and its stop strings, and frees slots and pages at once. Its RequestOutputs go, with a
+     timestamp, to the stream thread through a bounded queue.
   4. The stream thread turns them into StreamEvents on each request's own queue, and records the
      latency metrics. Iterating the RequestHandle reads that queue; the last event has the
      finish_reason ("stop", "length", "cancelled" or "error") and Usage.
-  5. `handle.cancel()` finishes the request in the scheduler at once; its slot is released in the
-     next step.
+  5. `handle.cancel()` finishes the request in the scheduler at once; its slot and pages are free
+     for the next step, which no longer lists it.
 
 The scheduler is pure Python and not thread-safe: every call to it holds `self._cond`'s lock, which
 is never held while the device works. Engine calls happen on the device thread only.
@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from jaxinfer.engine import Engine
 from jaxinfer.metrics import ServingMetrics
 from jaxinfer.request import SamplingParams, check_request, with_eos
-from jaxinfer.scheduler import QueueFull, RequestOutput, Scheduler
+from jaxinfer.scheduler import QueueFull, RequestOutput, Scheduler, dispatch
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,7 @@ class Orchestrator:
 
     max_queue: most requests waiting for a slot; submit raises QueueFull beyond it.
     prefill_token_budget: most prompt tokens per step (default: engine.max_prefill_chunk).
+    enable_prefix_caching: reuse the KV pages of earlier requests' common prefixes.
     metrics: where latencies and gauges go (default: a new ServingMetrics).
     on_fatal: called once, from the failing thread, after an unexpected exception; it must not block
         (to stop a server from it, start a thread that calls stop()).
@@ -132,6 +133,7 @@ class Orchestrator:
         *,
         max_queue: int = 64,
         prefill_token_budget: int | None = None,
+        enable_prefix_caching: bool = True,
         metrics: ServingMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ):
@@ -143,8 +145,11 @@ class Orchestrator:
             num_slots=engine.num_slots,
             max_seq_len=engine.max_seq_len,
             max_prefill_chunk=engine.max_prefill_chunk,
+            page_size=engine.page_size,
+            num_pages=engine.num_pages,
             max_queue=max_queue,
             prefill_token_budget=prefill_token_budget,
+            enable_prefix_caching=enable_prefix_caching,
             detokenizer_factory=tokenizer.detokenizer,
         )
         self._cond = threading.Condition()  # guards _scheduler and the flags below
@@ -229,11 +234,16 @@ class Orchestrator:
             stats = {
                 "num_slots": s.num_slots,
                 "num_free_slots": s.num_free_slots,
-                "num_running": s.num_slots - s.num_free_slots,
+                "num_running": s.num_running,
                 "num_waiting": s.num_waiting,
                 "num_live": s.num_live,
                 "tokens_held": s.num_tokens_held(),
-                "kv_cache_utilization": s.num_tokens_held() / (s.num_slots * s.max_seq_len),
+                "kv_pages_used": s.pool.num_used,
+                "kv_pages_total": s.pool.num_usable,
+                "kv_cache_utilization": s.kv_cache_utilization(),
+                "num_preemptions": s.num_preemptions,
+                "prefix_cache_query_tokens": s.prefix_query_tokens,
+                "prefix_cache_hit_tokens": s.prefix_hit_tokens,
                 "num_steps": self._num_steps,
                 "finished": dict(self._finished_by_reason),
                 "accepting": self._accepting,
@@ -310,7 +320,7 @@ class Orchestrator:
 
     def _device_loop(self) -> None:
         engine, scheduler = self.engine, self._scheduler
-        in_flight = None  # (SchedulerOutput, prefill PendingStep | None, decode PendingStep | None)
+        in_flight = None  # the dispatched step whose results are read next (scheduler.InFlight)
         while True:
             with self._cond:
                 while in_flight is None and not scheduler.has_work() and not self._stopping:
@@ -323,33 +333,32 @@ class Orchestrator:
                 now = time.monotonic()
                 for request_id in plan.admitted_request_ids:
                     handle = self._handles.get(request_id)
-                    if handle is not None:
+                    if handle is not None and handle.admitted_at is None:
                         handle.admitted_at = now
             # Dispatch step n+1 ...
-            for slot in plan.released_slots:
-                engine.release(slot)
-            prefill = engine.prefill(plan.prefill_chunks) if plan.prefill_chunks else None
-            decode = engine.decode() if plan.decode else None
+            following = dispatch(engine, plan)
             # ... then read step n while the device runs n+1.
             if in_flight is not None:
-                prev_plan, prev_prefill, prev_decode = in_flight
-                prefill_out = prev_prefill.result() if prev_prefill is not None else None
-                decode_out = prev_decode.result() if prev_decode is not None else None
+                prefill_out, decode_out = in_flight.results()
                 with self._cond:
-                    outputs = scheduler.update_from_output(prev_plan, prefill_out, decode_out)
+                    outputs = scheduler.update_from_output(in_flight.plan, prefill_out, decode_out)
                     self._update_gauges()
-                    self._push_outputs(outputs, num_prefill=prev_plan.num_prefill_tokens)
+                    self._push_outputs(outputs, num_prefill=in_flight.plan.num_prefill_tokens)
                     self._cond.notify_all()  # stop() waits for the live count to drop
-            in_flight = (plan, prefill, decode) if (prefill is not None or decode is not None) else None
+            in_flight = following
 
     def _update_gauges(self) -> None:
         s = self._scheduler
-        busy = s.num_slots - s.num_free_slots
         self.metrics.set_state(
             queue_depth=s.num_waiting,
-            running=busy,
-            slot_occupancy=busy / s.num_slots,
-            kv_cache_utilization=s.num_tokens_held() / (s.num_slots * s.max_seq_len),
+            running=s.num_running,
+            slot_occupancy=s.num_running / s.num_slots,
+            kv_cache_utilization=s.kv_cache_utilization(),
+            kv_pages_used=s.pool.num_used,
+            kv_pages_total=s.pool.num_usable,
+            num_preemptions=s.num_preemptions,
+            prefix_cache_query_tokens=s.prefix_query_tokens,
+            prefix_cache_hit_tokens=s.prefix_hit_tokens,
         )
 
     def _run_stream_loop(self) -> None:

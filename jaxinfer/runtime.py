@@ -17,6 +17,7 @@ import jax
 
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.jax_engine import JaxEngine
+from jaxinfer.kv_cache import bytes_per_page
 from jaxinfer.loading import LoadedModel, ModelLoadError, load_gguf, load_model
 from jaxinfer.loading.gguf_loader import open_gguf
 from jaxinfer.loading.orbax_checkpoint import MODEL_FILE
@@ -45,10 +46,15 @@ class RuntimeOptions:
     # None picks per backend: float32 on CPU (one-row bf16 matmuls are ~10x slower on XLA:CPU), else bf16.
     dtype: str | None = None
     cache_dtype: str | None = None
-    cache_layout: str = "bhsd"
-    num_slots: int = 8
-    # None: the model's context, capped at 2048 positions per slot.
+    num_slots: int = 8  # decode rows: most requests running at once (--max-running)
+    # Most positions one request may hold; None: the model's context. A cap, not a reservation.
     max_len: int | None = None
+    # The KV page pool: page_size positions per page (None: default_page_size), sized by kv_pages, else
+    # by kv_cache_memory bytes, else by default_kv_cache_memory.
+    page_size: int | None = None
+    kv_pages: int | None = None
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
     max_prefill_chunk: int = 512
     mesh: dict[str, int] | None = None
     quantize: str = "none"  # "int8": weights quantised once at load; "auto": int8 on CPU (resolve_quantize)
@@ -83,6 +89,10 @@ class Runtime:
             "context_length": cache.max_len,
             "vocab_size": c.vocab_size,
             "num_slots": cache.num_slots,
+            "page_size": cache.page_size,
+            "num_kv_pages": cache.num_usable_pages,
+            "kv_cache_dtype": cache.dtype,
+            "prefix_caching": self.options.enable_prefix_caching,
             "mesh": dict(self.engine.mesh.shape),
             "dtype": default_dtype(self.options.dtype),
             "quantization": quantization_of(self.model.params),
@@ -103,6 +113,48 @@ def default_cache_dtype(cache_dtype: str | None, dtype: str) -> str:
     if cache_dtype is not None:
         return cache_dtype
     return "bfloat16" if jax.default_backend() == "cpu" else dtype
+
+
+# Positions per KV page. CPU: the native decode kernel and XLA's gathers both run best from 64-position
+# pages up (docs/benchmarks.md), and 64 keeps page tables short at 8k contexts. TPU/GPU: 16, as
+# tpu-inference and vLLM use for long contexts; finer prefix sharing at a small kernel cost.
+DEFAULT_PAGE_SIZE = {"cpu": 64}
+ACCELERATOR_PAGE_SIZE = 16
+# CPU: KV memory for every running request at full length, at most 1 GiB (SmolLM2 in bfloat16: ~45k
+# positions). TPU/GPU: this share of the device memory left after the weights.
+CPU_KV_CACHE_MEMORY = 1 << 30
+ACCELERATOR_KV_CACHE_FRACTION = 0.5
+
+
+def default_page_size(page_size: int | None, backend: str) -> int:
+    return page_size or DEFAULT_PAGE_SIZE.get(backend, ACCELERATOR_PAGE_SIZE)
+
+
+def default_kv_cache_memory(backend: str, needed: int) -> int:
+    """Bytes for the page pool when neither --kv-pages nor --kv-cache-memory is given. `needed`: what
+    every running request at full length would take."""
+    if backend == "cpu":
+        return min(needed, CPU_KV_CACHE_MEMORY)
+    stats = jax.devices()[0].memory_stats() or {}
+    free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+    return int(free * ACCELERATOR_KV_CACHE_FRACTION) if free > 0 else needed
+
+
+def parse_memory_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '300000000' -> bytes."""
+    units = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+             "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}  # fmt: skip
+    number = text.strip().lower().rstrip("bitkmg")
+    unit = text.strip().lower()[len(number) :]
+    try:
+        value = float(number) * units[unit]
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"not a memory size: {text!r} (use e.g. 2GiB, 512MiB or a number of bytes)"
+        ) from None
+    if value <= 0:
+        raise ValueError(f"memory size must be positive, got {text!r}")
+    return int(value)
 
 
 def resolve_quantize(quantize: str, backend: str) -> str:
@@ -177,6 +229,29 @@ def load_tokenizer(loaded: LoadedModel, gguf_reader=None) -> Tokenizer:
     return Tokenizer.from_hf(loaded.path)
 
 
+def _cache_config(options: RuntimeOptions, config: ModelConfig, dtype: str) -> CacheConfig:
+    context = config.max_position_embeddings
+    max_len = options.max_len or context
+    if max_len > context:
+        raise ValueError(f"max_len {max_len} exceeds the model's context length {context}")
+    backend = jax.default_backend()
+    page_size = default_page_size(options.page_size, backend)
+    cache_dtype = default_cache_dtype(options.cache_dtype, dtype)
+    num_pages = options.kv_pages and options.kv_pages + 1  # plus the null page
+    if num_pages is None:
+        per_page = bytes_per_page(config, page_size, cache_dtype)
+        needed = options.num_slots * -(-max_len // page_size) * per_page
+        memory = options.kv_cache_memory or default_kv_cache_memory(backend, needed)
+        num_pages = memory // per_page
+        if num_pages < 2:
+            raise ValueError(f"{memory} bytes of KV cache hold no page of {per_page} bytes")
+    log.info("KV cache: %d pages of %d positions (%s)", num_pages - 1, page_size, cache_dtype)
+    return CacheConfig(
+        num_pages=num_pages, page_size=page_size, max_len=max_len, num_slots=options.num_slots,
+        dtype=cache_dtype,
+    )  # fmt: skip
+
+
 def build_runtime(options: RuntimeOptions) -> Runtime:
     """Loads weights straight into their shardings and builds the engine (programs compile lazily or in
     `engine.warmup()`)."""
@@ -209,16 +284,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
                 _save_converted(entry, loaded, tokenizer)
     if mesh.shape[TENSOR] == 1:
         loaded = dataclasses.replace(loaded, params=fuse_projections(loaded.params))
-    context = loaded.config.max_position_embeddings
-    max_len = options.max_len or min(context, 2048)
-    if max_len > context:
-        raise ValueError(f"max_len {max_len} exceeds the model's context length {context}")
-    cache_config = CacheConfig(
-        num_slots=options.num_slots,
-        max_len=max_len,
-        dtype=default_cache_dtype(options.cache_dtype, dtype),
-        layout=options.cache_layout,
-    )
+    cache_config = _cache_config(options, loaded.config, dtype)
     kernels = KernelConfig.for_backend(
         jax.default_backend(), options.attention_impl, single_device=mesh.size == 1
     )

@@ -1,19 +1,33 @@
-"""Continuous-batching policy: which request gets a slot, which prompt chunks run, when a request ends.
+"""Continuous-batching policy: admission by KV memory, chunked prefill, decode rows, preemption, stops.
 
-Pure Python: no JAX, no threads, no clock. The orchestrator calls it under one lock. One engine step is
+Pure Python: no JAX, no threads, no clock. The orchestrator (and `generate`) call it under one lock.
+One engine step is
 
-    out = scheduler.schedule()                     # decide: releases, prefill chunks, decode or not
-    ... engine.release / prefill / decode ...      # dispatch (the results may arrive a step later)
+    out = scheduler.schedule()                     # decide: prefill chunks, the decode batch
+    dispatch(engine, out)                          # engine.prefill / engine.decode (results come later)
     scheduler.update_from_output(out, prefill_result, decode_result)   # credit tokens, find stops
 
-A request moves WAITING -> PREFILLING -> RUNNING -> FINISHED. Slots are taken at the first prefill
-chunk and given back the moment the request finishes on the host (stop token or string, length,
-cancel); a host-side finish also queues `engine.release(slot)` for the very next step.
+The scheduler is the one owner of each request's length and pages: the KV cache is a pool of pages
+(page_pool.PagePool), each request holds a list of them (its page table) and a count of positions
+written (`num_computed`), and every call to the engine carries those. A request moves
+WAITING -> PREFILLING -> RUNNING -> FINISHED, and back to WAITING when preempted:
+  - Admission (FIFO) needs a free decode slot (`num_slots` rows) and pages for all of its tokens to
+    prefill; a prompt whose first pages are prefix-cached takes those pages and starts after them.
+  - Each decode step a running request needs a page for its next position. When the pool is empty,
+    the newest request is preempted: its pages are freed (full ones stay cached) and it goes back to
+    the front of the queue with its output so far, to be recomputed (prompt and output prefilled
+    again, mostly from the prefix cache) and continued; its stream loses and repeats nothing.
+  - A request that finishes on the host (stop string, length, cancel) frees its slot and pages at once
+    and is simply left out of the next decode batch.
 
 Pipelining: the orchestrator reads step n's results only after dispatching step n+1, so step n+1 may
-carry a token for a request that finished in step n (or whose slot has since been handed to another
-request). Each SchedulerOutput therefore snapshots which request owned each slot when it was
-dispatched; a token is credited only to that request and only while it is still live, else dropped.
+carry a token for a request that finished or was preempted in step n (or whose slot has since been
+handed to another request). Each SchedulerOutput therefore snapshots which request, in which
+incarnation (`epoch`, bumped by preemption), owned each slot when it was dispatched; a token is
+credited only to that owner and only while it is still in that incarnation, else dropped. Pages freed
+while a dispatched step still writes into them are safe: the device runs steps in dispatch order, so a
+page's next owner writes after, and reads only what it wrote itself or what the prefix cache vouches
+for (full pages whose tokens were known when cached).
 """
 
 from __future__ import annotations
@@ -21,10 +35,23 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, PrefillChunk, StepOutput
+import numpy as np
+
+from jaxinfer.engine import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    DecodeBatch,
+    Engine,
+    PendingStep,
+    PrefillChunk,
+    StepOutput,
+)
+from jaxinfer.kv_cache import NULL_PAGE
+from jaxinfer.page_pool import PagePool, page_hashes
 from jaxinfer.request import SamplingParams
 
 
@@ -100,18 +127,26 @@ class SequenceState:
     text: _StopStringText | None
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
-    num_prefilled: int = 0  # prompt tokens dispatched to the engine
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
+    # Pages and positions, owned here and passed to the engine with every call.
+    page_ids: list[int] = dataclasses.field(default_factory=list)
+    num_computed: int = 0  # positions whose KV entries dispatched steps write
+    num_cached_pages: int = 0  # leading pages already registered in the prefix cache
+    # The tokens this incarnation prefills: the prompt, plus the output so far after a preemption.
+    fill_token_ids: tuple[int, ...] = ()
+    num_dispatched_outputs: int = 0  # output tokens that dispatched steps will have produced
+    epoch: int = 0  # bumped by each preemption: tokens of steps dispatched before it are dropped
+    num_prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
+    admission_order: int = 0  # preemption takes the newest admitted first
 
     @property
     def is_live(self) -> bool:
         return self.status is not RequestStatus.FINISHED
 
     @property
-    def num_tokens_held(self) -> int:
-        """KV entries this request occupies in its slot."""
-        return self.num_prefilled + len(self.output_token_ids)
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,20 +159,24 @@ class RequestOutput:
     finish_reason: str | None  # None while running, else one of FINISH_REASONS
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+Owner = tuple[SequenceState, int]  # (request, epoch) at dispatch
 
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
-    """One step's plan. The orchestrator applies it in field order: release, prefill, decode."""
+    """One step's plan. The orchestrator applies it in field order: prefill, then decode."""
 
     step: int
-    released_slots: tuple[int, ...]  # engine.release(slot) before anything else
     prefill_chunks: tuple[PrefillChunk, ...]
-    decode: bool
+    decode_batch: DecodeBatch | None
     admitted_request_ids: tuple[str, ...]  # got a slot this step (for queue-time metrics)
+    preempted_request_ids: tuple[str, ...]
     # Owner of each slot at dispatch: the only request that may be credited with that slot's token.
-    prefill_owners: dict[int, SequenceState]  # slots whose last chunk runs this step
-    decode_owners: dict[int, SequenceState]  # slots that are RUNNING, including this step's last chunks
+    prefill_owners: dict[int, Owner]  # slots whose last chunk runs this step
+    decode_owners: dict[int, Owner]  # slots in the decode batch
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -145,16 +184,18 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.released_slots or self.prefill_chunks or self.decode)
+        return not (self.prefill_chunks or self.decode_batch is not None)
 
 
 class Scheduler:
-    """FIFO admission into a fixed set of slots with chunked prefill under a per-step token budget.
+    """FIFO admission by free slots and free KV pages, chunked prefill under a per-step token budget,
+    preemption of the newest request when decode runs out of pages.
 
-    num_slots, max_seq_len, max_prefill_chunk: the engine's (see engine.Engine).
+    num_slots, max_seq_len, max_prefill_chunk, page_size, num_pages: the engine's (engine.Engine).
     max_queue: most WAITING requests; add_request raises QueueFull beyond it.
     prefill_token_budget: most prompt tokens per step over all chunks (default max_prefill_chunk), so a
         long prompt is spread over several steps while running requests keep decoding every step.
+    enable_prefix_caching: reuse full pages of earlier requests with the same prefix.
     detokenizer_factory: makes one IncrementalDetokenizer per request (for text and stop strings);
         None only if no request uses stop strings (outputs then carry no text).
     """
@@ -165,8 +206,11 @@ class Scheduler:
         num_slots: int,
         max_seq_len: int,
         max_prefill_chunk: int,
+        page_size: int,
+        num_pages: int,
         max_queue: int,
         prefill_token_budget: int | None = None,
+        enable_prefix_caching: bool = True,
         detokenizer_factory: Callable[[], IncrementalDetokenizer] | None = None,
     ):
         budget = max_prefill_chunk if prefill_token_budget is None else prefill_token_budget
@@ -174,6 +218,7 @@ class Scheduler:
             ("num_slots", num_slots),
             ("max_seq_len", max_seq_len),
             ("max_prefill_chunk", max_prefill_chunk),
+            ("page_size", page_size),
             ("max_queue", max_queue),
             ("prefill_token_budget", budget),
         ]:
@@ -182,15 +227,23 @@ class Scheduler:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.max_prefill_chunk = max_prefill_chunk
+        self.page_size = page_size
         self.max_queue = max_queue
         self.prefill_token_budget = budget
+        self.pool = PagePool(num_pages, enable_prefix_caching=enable_prefix_caching)
         self._detokenizer_factory = detokenizer_factory
         self._waiting: collections.deque[SequenceState] = collections.deque()
-        self._requests: dict[str, SequenceState] = {}  # every live request
+        self._requests: dict[str, SequenceState] = {}  # every live request, in arrival order
         self._slot_owner: list[SequenceState | None] = [None] * num_slots
         self._free_slots: list[int] = list(range(num_slots))  # kept sorted: lowest slot first
-        self._pending_release: list[int] = []
+        self._pages_per_seq = -(-max_seq_len // page_size)
+        self._page_table = np.full((num_slots, self._pages_per_seq), NULL_PAGE, np.int32)
         self._step = 0
+        self._admissions = itertools.count()
+        # Counters for metrics (monotonic).
+        self.num_preemptions = 0
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
 
     # ---- queries -----------------------------------------------------------------------------------
 
@@ -206,14 +259,25 @@ class Scheduler:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
+    @property
+    def num_running(self) -> int:
+        return self.num_slots - len(self._free_slots)
+
     def num_tokens_held(self) -> int:
-        return sum(r.num_tokens_held for r in self._slot_owner if r is not None)
+        return sum(r.num_computed for r in self._slot_owner if r is not None)
+
+    def kv_cache_utilization(self) -> float:
+        """Share of the usable pages that live requests hold."""
+        return self.pool.num_used / self.pool.num_usable
 
     def has_work(self) -> bool:
-        return bool(self._requests or self._pending_release)
+        return bool(self._requests)
 
     def get(self, request_id: str) -> SequenceState | None:
         return self._requests.get(request_id)
+
+    def _pages_for(self, num_positions: int) -> int:
+        return -(-num_positions // self.page_size)
 
     # ---- admission and finishing --------------------------------------------------------------------
 
@@ -224,10 +288,17 @@ class Scheduler:
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         sampling.validate()
-        if len(prompt_token_ids) + sampling.max_tokens > self.max_seq_len:
+        total = len(prompt_token_ids) + sampling.max_tokens
+        if total > self.max_seq_len:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens + max_tokens={sampling.max_tokens} exceeds the "
                 f"context length max_seq_len={self.max_seq_len}"
+            )
+        if self._pages_for(total) > self.pool.num_usable:
+            raise ValueError(
+                f"prompt of {len(prompt_token_ids)} tokens + max_tokens={sampling.max_tokens} needs "
+                f"{self._pages_for(total)} KV pages of {self.page_size} positions; the whole pool has "
+                f"{self.pool.num_usable}"
             )
         if sampling.stop and self._detokenizer_factory is None:
             raise ValueError("stop strings need a detokenizer_factory")
@@ -241,7 +312,7 @@ class Scheduler:
         self._waiting.append(seq)
 
     def finish_request(self, request_id: str, reason: str) -> RequestOutput | None:
-        """Ends a live request now (cancel, deadline, error); its slot is free for the next step.
+        """Ends a live request now (cancel, deadline, error); its slot and pages are free for the next step.
 
         Returns the request's final output, or None if it is not live (already finished: a no-op).
         """
@@ -252,26 +323,42 @@ class Scheduler:
             return None
         if seq.status is RequestStatus.WAITING:
             self._waiting.remove(seq)
-        return self._finish(seq, reason, new_tokens=(), new_text="", release=True)
+        return self._finish(seq, reason, new_tokens=(), new_text="")
 
     def finish_all(self, reason: str) -> list[RequestOutput]:
         outputs = [self.finish_request(rid, reason) for rid in list(self._requests)]
         return [o for o in outputs if o is not None]
 
     def _finish(
-        self, seq: SequenceState, reason: str, *, new_tokens: tuple[int, ...], new_text: str, release: bool
+        self, seq: SequenceState, reason: str, *, new_tokens: tuple[int, ...], new_text: str
     ) -> RequestOutput:
         if seq.text is not None:
             new_text += seq.text.finish()
+        self._cache_full_pages(seq)
+        self._release(seq)
         seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
         del self._requests[seq.request_id]
+        return self._output(seq, new_tokens, new_text)
+
+    def _release(self, seq: SequenceState) -> None:
+        """Gives back the request's slot and pages (last page first: its tail is evicted first)."""
+        self.pool.free(seq.page_ids[::-1])
+        seq.page_ids, seq.num_computed, seq.num_cached_pages = [], 0, 0
         if seq.slot is not None:
             self._slot_owner[seq.slot] = None
+            self._page_table[seq.slot] = NULL_PAGE
             self._free_slots.append(seq.slot)
             self._free_slots.sort()
-            if release:  # the device may still consider the slot active
-                self._pending_release.append(seq.slot)
-        return self._output(seq, new_tokens, new_text)
+            seq.slot = None
+
+    def _preempt(self, seq: SequenceState) -> None:
+        """Frees the request's slot and pages and requeues it first, to recompute and continue."""
+        self._cache_full_pages(seq)
+        self._release(seq)
+        seq.status = RequestStatus.WAITING
+        seq.epoch += 1
+        self._waiting.appendleft(seq)
+        self.num_preemptions += 1
 
     @staticmethod
     def _output(seq: SequenceState, new_tokens: tuple[int, ...], new_text: str) -> RequestOutput:
@@ -282,75 +369,148 @@ class Scheduler:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_prefix_hit_tokens,
         )
+
+    # ---- pages ------------------------------------------------------------------------------------
+
+    def _cache_full_pages(self, seq: SequenceState) -> None:
+        """Offers the prefix cache every page of `seq` that is full, written by a dispatched step and
+        whose tokens the host knows (a decode step's input token is known only once it was read)."""
+        known = min(seq.num_computed, len(seq.prompt_token_ids) + len(seq.output_token_ids))
+        full = min(known // self.page_size, len(seq.page_ids))
+        if full <= seq.num_cached_pages or not self.pool.enable_prefix_caching:
+            return
+        keys = page_hashes(seq.all_token_ids, self.page_size, full)
+        for i in range(seq.num_cached_pages, full):
+            self.pool.cache(seq.page_ids[i], keys[i])
+        seq.num_cached_pages = full
+
+    def _admit(self, seq: SequenceState) -> bool:
+        """Gives `seq` a slot and pages for every token it prefills, reusing prefix-cached pages;
+        False (and nothing taken) when the pool cannot hold it now."""
+        fill = seq.all_token_ids
+        # At least the last token is computed: its logits sample the next one.
+        keys = page_hashes(fill, self.page_size, (len(fill) - 1) // self.page_size)
+        cached = self.pool.take_cached(keys)
+        fresh = self.pool.allocate(self._pages_for(len(fill)) - len(cached))
+        if fresh is None:
+            self.pool.free(cached[::-1])
+            return False
+        self._waiting.popleft()
+        seq.slot = self._free_slots.pop(0)
+        self._slot_owner[seq.slot] = seq
+        seq.status = RequestStatus.PREFILLING
+        seq.fill_token_ids = fill
+        seq.page_ids = cached + fresh
+        seq.num_cached_pages = len(cached)
+        seq.num_computed = len(cached) * self.page_size
+        self._page_table[seq.slot, : len(seq.page_ids)] = seq.page_ids
+        seq.num_prefix_hit_tokens = seq.num_computed if not seq.output_token_ids else 0
+        if not seq.output_token_ids:  # a recomputation after preemption is not a cache query
+            self.prefix_query_tokens += len(fill)
+            self.prefix_hit_tokens += seq.num_computed
+        return True
+
+    def _grow(self, seq: SequenceState) -> bool:
+        """Makes sure `seq` has a page for position num_computed; False if the pool is empty."""
+        if seq.num_computed < len(seq.page_ids) * self.page_size:
+            return True
+        page = self.pool.allocate(1)
+        if page is None:
+            return False
+        self._page_table[seq.slot, len(seq.page_ids)] = page[0]
+        seq.page_ids.extend(page)
+        return True
+
+    def _wants_decode(self, seq: SequenceState) -> bool:
+        """Running and not yet at max_tokens counting the tokens already dispatched."""
+        return seq.status is RequestStatus.RUNNING and seq.num_dispatched_outputs < seq.sampling.max_tokens
 
     # ---- one step -----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plans the next step: pending releases, then prefill chunks within the budget, then decode.
+        """Plans the next step.
 
-        Prompts already being prefilled continue first (in admission order), then waiting requests
-        take free slots, lowest first. Each request gets at most one chunk per step.
+        1. Every running request gets a page for its next position, oldest first; when none is left
+           the newest live request is preempted (possibly the one asking).
+        2. Prompts being prefilled continue (in admission order) within the token budget.
+        3. Waiting requests are admitted while a slot, the budget and the pages for their tokens last.
+        4. The decode batch lists every running request, including those whose prompt ended in 2-3
+           and whose first decode position has a page.
         """
         self._step += 1
-        released = tuple(self._pending_release)
-        self._pending_release.clear()
+        preempted: list[str] = []
+        running = [r for r in self._requests.values() if r.slot is not None]
+        running.sort(key=lambda r: r.admission_order)
+        for seq in [r for r in running if self._wants_decode(r)]:
+            while seq.slot is not None and not self._grow(seq):
+                victim = max((r for r in running if r.slot is not None), key=lambda r: r.admission_order)
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+
         budget = self.prefill_token_budget
         chunks: list[PrefillChunk] = []
-        prefill_owners: dict[int, SequenceState] = {}
+        prefill_owners: dict[int, Owner] = {}
         admitted: list[str] = []
-
-        # _requests keeps arrival order, which is also admission order (FIFO).
-        prefilling = [r for r in self._requests.values() if r.status is RequestStatus.PREFILLING]
-        for seq in prefilling:
+        for seq in (r for r in running if r.status is RequestStatus.PREFILLING):
             if budget <= 0:
                 break
             budget -= self._add_chunk(seq, budget, chunks, prefill_owners)
-        while budget > 0 and self._waiting and self._free_slots:
-            seq = self._waiting.popleft()
-            seq.slot = self._free_slots.pop(0)
-            seq.status = RequestStatus.PREFILLING
-            self._slot_owner[seq.slot] = seq
+        while budget > 0 and self._waiting and self._free_slots and not preempted:
+            seq = self._waiting[0]
+            if not self._admit(seq):
+                break
+            seq.admission_order = next(self._admissions)
             admitted.append(seq.request_id)
             budget -= self._add_chunk(seq, budget, chunks, prefill_owners)
 
-        decode_owners = {
-            slot: r
-            for slot, r in enumerate(self._slot_owner)
-            if r is not None and r.status is RequestStatus.RUNNING
-        }
+        positions = np.full(self.num_slots, -1, np.int32)
+        decode_owners: dict[int, Owner] = {}
+        for slot, seq in enumerate(self._slot_owner):
+            if seq is None or not self._wants_decode(seq) or not self._grow(seq):
+                continue
+            positions[slot] = seq.num_computed
+            seq.num_computed += 1
+            seq.num_dispatched_outputs += 1
+            decode_owners[slot] = (seq, seq.epoch)
+        batch = DecodeBatch(positions, self._page_table.copy()) if decode_owners else None
         self._check_invariants()
         return SchedulerOutput(
             step=self._step,
-            released_slots=released,
             prefill_chunks=tuple(chunks),
-            decode=bool(decode_owners),
+            decode_batch=batch,
             admitted_request_ids=tuple(admitted),
+            preempted_request_ids=tuple(preempted),
             prefill_owners=prefill_owners,
             decode_owners=decode_owners,
         )
 
     def _add_chunk(
-        self, seq: SequenceState, budget: int, chunks: list[PrefillChunk], owners: dict[int, SequenceState]
+        self, seq: SequenceState, budget: int, chunks: list[PrefillChunk], owners: dict[int, Owner]
     ) -> int:
         assert seq.slot is not None
-        start = seq.num_prefilled
-        n = min(len(seq.prompt_token_ids) - start, self.max_prefill_chunk, budget)
-        is_last = start + n == len(seq.prompt_token_ids)
+        start, fill = seq.num_computed, seq.fill_token_ids
+        n = min(len(fill) - start, self.max_prefill_chunk, budget)
+        is_last = start + n == len(fill)
         chunks.append(
             PrefillChunk(
                 slot=seq.slot,
-                token_ids=seq.prompt_token_ids[start : start + n],
+                token_ids=fill[start : start + n],
                 start=start,
                 sampling=seq.sampling,
+                page_ids=tuple(seq.page_ids[: self._pages_for(start + n)]),
                 is_last=is_last,
-                prompt_token_ids=seq.prompt_token_ids if is_last else (),
+                prompt_token_ids=fill if is_last else (),
+                num_generated=len(seq.output_token_ids),
             )
         )
-        seq.num_prefilled += n
+        seq.num_computed += n
+        self._cache_full_pages(seq)
         if is_last:
             seq.status = RequestStatus.RUNNING
-            owners[seq.slot] = seq
+            seq.num_dispatched_outputs = len(seq.output_token_ids) + 1
+            owners[seq.slot] = (seq, seq.epoch)
         return n
 
     def update_from_output(
@@ -361,8 +521,8 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Credits one dispatched step's tokens (prefill's first tokens, then decode's) and finds stops.
 
-        A token is dropped when its slot's owner at dispatch is no longer live: it was sampled
-        speculatively after the request finished on the host in an earlier step.
+        A token is dropped when its slot's owner at dispatch has finished or been preempted since: it
+        was sampled after the request ended on the host, or will be sampled again on recompute.
         """
         news: dict[str, tuple[SequenceState, list[int], list[str]]] = {}
         finished: list[RequestOutput] = []
@@ -374,33 +534,34 @@ class Scheduler:
                 continue
             if result is None:
                 raise ValueError(f"step {scheduler_output.step} dispatched work but got no result")
-            for slot, seq in owners.items():
-                if not (seq.is_live and bool(result.valid[slot])):
+            for slot, (seq, epoch) in owners.items():
+                if not (seq.is_live and seq.epoch == epoch and bool(result.valid[slot])):
                     continue
                 token = int(result.token[slot])
                 seq.output_token_ids.append(token)
                 entry = news.setdefault(seq.request_id, (seq, [], []))
                 entry[1].append(token)
                 reason = None
+                # A stop token's text is output like any other (vLLM's rule); special tokens such as
+                # eos detokenise to nothing.
                 if seq.text is not None:
                     new_text, stop_string_hit = seq.text.add(token)
                     entry[2].append(new_text)
                     reason = "stop" if stop_string_hit else None
                 if bool(result.done[slot]):
-                    # The device deactivated the slot itself; no release needed.
                     device_reason = int(result.reason[slot])
                     if device_reason not in (FINISH_STOP, FINISH_LENGTH):
                         raise ValueError(f"slot {slot} done with unknown reason code {device_reason}")
                     reason = reason or ("stop" if device_reason == FINISH_STOP else "length")
-                    finished.append(self._finish_with_news(seq, reason, news, release=False))
-                    continue
                 # Host-side backstops: the device should have flagged these as done.
                 if reason is None and token in seq.sampling.stop_token_ids:
                     reason = "stop"
                 if reason is None and len(seq.output_token_ids) >= seq.sampling.max_tokens:
                     reason = "length"
                 if reason is not None:
-                    finished.append(self._finish_with_news(seq, reason, news, release=True))
+                    finished.append(self._finish_with_news(seq, reason, news))
+                else:
+                    self._cache_full_pages(seq)
         running = [self._output(seq, tuple(toks), "".join(texts)) for seq, toks, texts in news.values()]
         self._check_invariants()
         return finished + running
@@ -410,14 +571,13 @@ class Scheduler:
         seq: SequenceState,
         reason: str,
         news: dict[str, tuple[SequenceState, list[int], list[str]]],
-        *,
-        release: bool,
     ) -> RequestOutput:
         _, tokens, texts = news.pop(seq.request_id)
-        return self._finish(seq, reason, new_tokens=tuple(tokens), new_text="".join(texts), release=release)
+        return self._finish(seq, reason, new_tokens=tuple(tokens), new_text="".join(texts))
 
     def _check_invariants(self) -> None:
-        """A slot is free exactly when no live request owns it; waiting requests own none."""
+        """A slot is free exactly when no live request owns it; waiting requests own neither slots nor
+        pages; the pool's holds are exactly the pages live requests list."""
         free = set(self._free_slots)
         if len(free) != len(self._free_slots):
             raise RuntimeError(f"scheduler invariant: duplicate free slots {self._free_slots}")
@@ -431,5 +591,33 @@ class Scheduler:
         holding = sum(1 for r in self._requests.values() if r.slot is not None)
         if holding != self.num_slots - len(free) or holding + len(self._waiting) != len(self._requests):
             raise RuntimeError("scheduler invariant: live requests and slots disagree")
-        if len(self._waiting) > self.max_queue:
-            raise RuntimeError("scheduler invariant: waiting queue over max_queue")
+        if any(r.page_ids for r in self._waiting):
+            raise RuntimeError("scheduler invariant: a waiting request holds pages")
+        held = set().union(*(r.page_ids for r in self._requests.values()))
+        if len(held) != self.pool.num_used or NULL_PAGE in held:
+            raise RuntimeError(
+                f"scheduler invariant: the pool holds {self.pool.num_used} pages, requests {held}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class InFlight:
+    """A dispatched step whose results have not been read yet."""
+
+    plan: SchedulerOutput
+    prefill: PendingStep | None
+    decode: PendingStep | None
+
+    def results(self) -> tuple[StepOutput | None, StepOutput | None]:
+        """Blocks until the step's results are on the host."""
+        prefill = self.prefill.result() if self.prefill is not None else None
+        return prefill, self.decode.result() if self.decode is not None else None
+
+
+def dispatch(engine: Engine, plan: SchedulerOutput) -> InFlight | None:
+    """Runs one plan on the engine without waiting for it: prefill chunks, then the decode batch."""
+    if plan.is_empty:
+        return None
+    prefill = engine.prefill(plan.prefill_chunks) if plan.prefill_chunks else None
+    decode = engine.decode(plan.decode_batch) if plan.decode_batch is not None else None
+    return InFlight(plan, prefill, decode)

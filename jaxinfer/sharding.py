@@ -120,14 +120,12 @@ def shard_params(params, mesh: Mesh):
     return jax.tree.map(jax.device_put, params, param_shardings(params, mesh))
 
 
-def kv_cache_spec(layout: str, num_kv_heads: int, num_slots: int, mesh: Mesh) -> P:
-    """Cache arrays are split over slots on `data` and over KV heads on `tensor` (replicated when the heads
-    do not divide over `tensor`)."""
-    slot_axis = DATA if num_slots % mesh.shape[DATA] == 0 else None
+def kv_cache_spec(num_kv_heads: int, mesh: Mesh) -> P:
+    """The page pool [layers, kv_heads, pages, page_size, head_dim] is split over KV heads on `tensor`
+    (replicated when the heads do not divide over it). Pages are not split over `data`: any row may
+    hold any page, so each data replica keeps the whole pool."""
     head_axis = TENSOR if num_kv_heads % mesh.shape[TENSOR] == 0 else None
-    if layout == "bhsd":  # [layers, slots, kv_heads, max_len, head_dim]
-        return P(None, slot_axis, head_axis, None, None)
-    return P(None, slot_axis, None, head_axis, None)  # [layers, slots, max_len, kv_heads, head_dim]
+    return P(None, head_axis, None, None, None)
 
 
 def slot_spec(num_slots: int, mesh: Mesh) -> P:

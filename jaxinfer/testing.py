@@ -5,11 +5,15 @@ a prompt [4, 7] and `seed=2`:
   prefill  -> first token  (7 + 1 + 2) % 10 = 0
   decode   -> (0 + 1 + 2) % 10 = 3, then 6, then 9, ...
 A token in `sampling.stop_token_ids` ends the request with FINISH_STOP (the token is returned), the
-`max_tokens`-th token ends it with FINISH_LENGTH, and so does reaching `max_seq_len` tokens in the slot.
+`max_tokens`-th token ends it with FINISH_LENGTH, and so does reaching `max_seq_len` tokens.
 `MockEngine.reference_tokens` is the same rule as a plain loop, for tests to compare against.
 
-The engine checks the contract it is driven with (chunk positions continue where the slot left off,
-distinct slots per prefill, chunk sizes) and raises on misuse, so scheduler bugs surface in tests.
+The engine keeps a token-id "KV cache" of `num_pages` pages and checks the contract it is driven with:
+every chunk and decode position is written through the page table it is given, and before sampling,
+the request's whole history read back through its page table must equal the tokens it should hold
+(the last chunk's `prompt_token_ids`, then each sampled token). Wrong pages, a prefix-cache hit on the
+wrong page, a page freed while in use, positions that skip or repeat: all raise, so scheduler bugs
+surface in tests. It also checks distinct slots per prefill and chunk sizes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jaxinfer.engine import (
     FINISH_LENGTH,
     FINISH_NONE,
     FINISH_STOP,
+    DecodeBatch,
     Engine,
     PendingStep,
     PrefillChunk,
@@ -45,11 +50,11 @@ def next_mock_token(last_token: int, sampling: SamplingParams, vocab_size: int) 
 
 @dataclasses.dataclass
 class _MockSlot:
-    num_tokens: int = 0  # prompt tokens written plus tokens sampled
     active: bool = False
     last_token: int = 0
     num_generated: int = 0
     sampling: SamplingParams | None = None
+    history: list[int] = dataclasses.field(default_factory=list)  # every token the request holds
 
 
 class _MockPending(PendingStep):
@@ -86,6 +91,8 @@ class MockEngine(Engine):
         max_seq_len: int = 64,
         max_prefill_chunk: int = 8,
         vocab_size: int = 32,
+        page_size: int = 4,
+        num_pages: int | None = None,
         step_delay_s: float = 0.0,
         fail_at_decode: int | None = None,
     ):
@@ -94,10 +101,14 @@ class MockEngine(Engine):
         self._num_slots = num_slots
         self._max_seq_len = max_seq_len
         self._max_prefill_chunk = max_prefill_chunk
+        self._page_size = page_size
+        # By default as much memory as num_slots full-length requests, plus the null page.
+        self._num_pages = num_pages or num_slots * -(-max_seq_len // page_size) + 1
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_s
         self.fail_at_decode = fail_at_decode
         self._slots = [_MockSlot() for _ in range(num_slots)]
+        self._kv = np.full((self._num_pages, page_size), -1, np.int64)  # token id at each position
         self._lock = threading.Lock()
         self._device_free_at = 0.0
         self._num_unread_decodes = 0
@@ -106,8 +117,8 @@ class MockEngine(Engine):
         self.num_prefill_calls = 0
         self.num_prefill_tokens = 0
         self.max_unread_decodes = 0  # >1: a decode was dispatched before the previous one was read
-        self.release_log: list[tuple[int, int]] = []  # (slot, num_decode_steps at release)
         self.prefill_log: list[tuple[tuple[int, int, int, bool], ...]] = []  # (slot, start, len, last)
+        self.decode_log: list[tuple[int, ...]] = []  # slots listed in each decode step
 
     @property
     def num_slots(self) -> int:
@@ -121,8 +132,13 @@ class MockEngine(Engine):
     def max_prefill_chunk(self) -> int:
         return self._max_prefill_chunk
 
-    def num_active_slots(self) -> int:
-        return sum(s.active for s in self._slots)
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
 
     def _empty_output(self) -> StepOutput:
         n = self._num_slots
@@ -141,6 +157,24 @@ class MockEngine(Engine):
             self.max_unread_decodes = max(self.max_unread_decodes, self._num_unread_decodes)
             return _MockPending(output, self._device_free_at, self, is_decode)
 
+    def _where(self, page_ids: Sequence[int], position: int) -> tuple[int, int]:
+        index = position // self._page_size
+        if index >= len(page_ids):
+            raise ValueError(f"position {position} has no page ({len(page_ids)} pages given)")
+        page = int(page_ids[index])
+        if not 0 < page < self._num_pages:
+            raise ValueError(f"position {position} maps to page {page}, not a usable page")
+        return page, position % self._page_size
+
+    def _write(self, page_ids: Sequence[int], start: int, tokens: Sequence[int]) -> None:
+        for i, token in enumerate(tokens):
+            self._kv[self._where(page_ids, start + i)] = token
+
+    def _check_history(self, page_ids: Sequence[int], history: Sequence[int]) -> None:
+        held = [int(self._kv[self._where(page_ids, p)]) for p in range(len(history))]
+        if held != list(history):
+            raise ValueError(f"the pages hold {held}, the request has {list(history)}")
+
     def _sample_into(self, out: StepOutput, slot: int) -> None:
         s = self._slots[slot]
         if s.sampling is None:
@@ -148,11 +182,11 @@ class MockEngine(Engine):
         token = next_mock_token(s.last_token, s.sampling, self.vocab_size)
         s.last_token = token
         s.num_generated += 1
-        s.num_tokens += 1
+        s.history.append(token)
         reason = FINISH_NONE
         if token in s.sampling.stop_token_ids:
             reason = FINISH_STOP
-        elif s.num_generated >= s.sampling.max_tokens or s.num_tokens >= self._max_seq_len:
+        elif s.num_generated >= s.sampling.max_tokens or len(s.history) >= self._max_seq_len:
             reason = FINISH_LENGTH
         out.token[slot], out.valid[slot] = token, True
         if reason != FINISH_NONE:
@@ -172,37 +206,39 @@ class MockEngine(Engine):
             n = len(c.token_ids)
             if not 0 < n <= self._max_prefill_chunk:
                 raise ValueError(f"chunk of {n} tokens, {self._max_prefill_chunk=}")
-            s = self._slots[c.slot]
-            if c.start == 0:  # a new prompt overwrites whatever the slot held
-                self._slots[c.slot] = s = _MockSlot()
-            if c.start != s.num_tokens or s.active:
-                raise ValueError(f"chunk at {c.start=} but slot {c.slot} holds {s.num_tokens} ({s.active=})")
             if c.start + n > self._max_seq_len:
                 raise ValueError(f"chunk ends at {c.start + n} > {self._max_seq_len=}")
-            s.num_tokens += n
+            self._write(c.page_ids, c.start, c.token_ids)
             self.num_prefill_tokens += n
+            s = self._slots[c.slot] = _MockSlot()  # a chunk means the slot's last request is gone
             if c.is_last:
-                if list(c.prompt_token_ids[-n:]) != list(c.token_ids):
+                fill = [int(t) for t in c.prompt_token_ids]
+                if len(fill) != c.start + n or fill[c.start :] != [int(t) for t in c.token_ids]:
                     raise ValueError("prompt_token_ids must end with the last chunk's tokens")
-                s.sampling, s.last_token, s.active = c.sampling, int(c.token_ids[-1]), True
+                self._check_history(c.page_ids, fill)
+                s.sampling, s.last_token, s.active = c.sampling, fill[-1], True
+                s.num_generated, s.history = c.num_generated, fill
                 self._sample_into(out, c.slot)
         return self._dispatch(out, is_decode=False)
 
-    def decode(self) -> PendingStep:
+    def decode(self, batch: DecodeBatch) -> PendingStep:
         self.num_decode_steps += 1
         if self.fail_at_decode is not None and self.num_decode_steps >= self.fail_at_decode:
             raise RuntimeError(f"MockEngine: injected failure at decode step {self.num_decode_steps}")
         out = self._empty_output()
-        for slot, s in enumerate(self._slots):
-            if s.active:
-                self._sample_into(out, slot)
+        listed = tuple(int(i) for i in np.flatnonzero(batch.positions >= 0))
+        self.decode_log.append(listed)
+        for slot in listed:
+            s = self._slots[slot]
+            if not s.active:
+                continue
+            position = int(batch.positions[slot])
+            if position != len(s.history) - 1:
+                raise ValueError(f"slot {slot} decodes at {position}, its request holds {len(s.history)}")
+            self._write(batch.page_table[slot], position, [s.last_token])
+            self._check_history(batch.page_table[slot], s.history)
+            self._sample_into(out, slot)
         return self._dispatch(out, is_decode=True)
-
-    def release(self, slot: int) -> None:
-        if not 0 <= slot < self._num_slots:
-            raise ValueError(f"{slot=} out of range")
-        self._slots[slot].active = False
-        self.release_log.append((slot, self.num_decode_steps))
 
     def reference_tokens(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
         """The tokens this engine produces for one request, computed by a plain loop."""
@@ -343,3 +379,27 @@ class IdDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+# --------------------------------------------------------------------------------------------------
+# Paged caches for tests of the model and engine
+# --------------------------------------------------------------------------------------------------
+
+
+def paged_cache_config(num_slots: int, max_len: int, *, page_size: int = 8, dtype: str = "float32"):
+    """A CacheConfig whose pool holds `num_slots` requests of `max_len` positions (plus the null page)."""
+    from jaxinfer.config import CacheConfig
+
+    pages = num_slots * -(-max_len // page_size) + 1
+    return CacheConfig(
+        num_pages=pages, page_size=page_size, max_len=max_len, num_slots=num_slots, dtype=dtype
+    )
+
+
+def scattered_page_table(rows: int, pages_per_row: int, num_pages: int, seed: int = 0) -> np.ndarray:
+    """[rows, pages_per_row] int32: distinct pages in a shuffled order (never the null page), so a model
+    test reads through a page table that is not the identity."""
+    if rows * pages_per_row > num_pages - 1:
+        raise ValueError(f"{rows} x {pages_per_row} pages do not fit in {num_pages - 1} usable pages")
+    pages = np.random.default_rng(seed).permutation(np.arange(1, num_pages))[: rows * pages_per_row]
+    return pages.reshape(rows, pages_per_row).astype(np.int32)

@@ -15,6 +15,12 @@ from pallas_kernels.int8_matmul import (
     quantize_int8,
     quantize_kv_int8,
 )
+from pallas_kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_reference,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
 
 __all__ = [
     "decode_attention",
@@ -26,6 +32,10 @@ __all__ = [
     "flash_attention_reference",
     "int8_matmul",
     "int8_matmul_reference",
+    "paged_decode_attention",
+    "paged_decode_attention_reference",
+    "paged_prefill_attention",
+    "paged_prefill_attention_reference",
     "quantize_int8",
     "quantize_kv_int8",
 ]

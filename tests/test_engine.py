@@ -9,16 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
-from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, PrefillChunk
+from jaxinfer.config import KernelConfig, ModelConfig
+from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, DecodeBatch, PrefillChunk
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
-from jaxinfer.kv_cache import init_cache
+from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.model import XLA_KERNELS, forward
 from jaxinfer.params import random_params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
-from jaxinfer.testing import IdTokenizer
+from jaxinfer.testing import IdTokenizer, paged_cache_config, scattered_page_table
 
 LLAMA = ModelConfig(
     arch="llama", vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -36,24 +36,22 @@ CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
 
 def _full_logits(params, config, tokens: list[int], kernels: KernelConfig = XLA_KERNELS) -> np.ndarray:
     """[t, vocab] logits of one uncached pass over the whole sequence (padded to 128: one compile)."""
-    cache = init_cache(config, CacheConfig(num_slots=1, max_len=128), make_mesh())
+    cache = init_cache(config, paged_cache_config(1, 128), make_mesh())
     t = len(tokens)
     padded = jnp.zeros((1, 128), jnp.int32).at[0, :t].set(jnp.asarray(tokens, jnp.int32))
     logits, _ = _jit_forward(
-        params, config, padded, jnp.arange(128, dtype=jnp.int32)[None], cache, jnp.zeros(1, jnp.int32),
-        attend_len=128, kernels=kernels,
+        params, config, padded, jnp.arange(128, dtype=jnp.int32)[None], cache,
+        jnp.asarray(contiguous_page_table(1, 16)), kernels=kernels,
     )  # fmt: skip
     return np.asarray(logits[0, :t])  # causal: the padding after t changes nothing before it
 
 
-_jit_forward = jax.jit(forward, static_argnames=("config", "attend_len", "all_slots", "kernels"))
+_jit_forward = jax.jit(forward, static_argnames=("config", "kernels"))
 
 
-@pytest.mark.parametrize(
-    "layout,dtype", [("bhsd", "float32"), ("bshd", "float32"), ("bhsd", "int8"), ("bhsd", "bfloat16")]
-)
+@pytest.mark.parametrize("page_size,dtype", [(8, "float32"), (5, "float32"), (8, "int8"), (16, "bfloat16")])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_cached_decode_equals_full_recompute(arch, layout, dtype):
+def test_cached_decode_equals_full_recompute(arch, page_size, dtype):
     config = CONFIGS[arch]
     params = random_params(config, seed=3)
     tokens = list(np.random.default_rng(0).integers(0, config.vocab_size, size=24))
@@ -61,9 +59,11 @@ def test_cached_decode_equals_full_recompute(arch, layout, dtype):
     # 6 slots: more decode rows than kernel_dispatch.ROWS_AS_VECTORS, so a bfloat16 cache is multiplied
     # in bfloat16 (attention_xla).
     slots = 6
-    cache = init_cache(
-        config, CacheConfig(num_slots=slots, max_len=64, layout=layout, dtype=dtype), make_mesh()
-    )
+    cache_config = paged_cache_config(slots, 64, page_size=page_size, dtype=dtype)
+    cache = init_cache(config, cache_config, make_mesh())
+    # Every row reads its pages through a shuffled page table; the decoding row is the last one.
+    pages = cache_config.pages_per_seq
+    table = jnp.asarray(scattered_page_table(slots, pages, cache_config.num_pages, seed=1))
     if dtype == "bfloat16":
         assert cache.k.dtype == jnp.uint16  # bit patterns on CPU (kv_cache.py)
 
@@ -78,17 +78,14 @@ def test_cached_decode_equals_full_recompute(arch, layout, dtype):
     prompt = 9  # past Gemma's window of 7 by the end
     logits, cache = forward(
         params, config, jnp.asarray([tokens[:prompt]], jnp.int32), jnp.arange(prompt, dtype=jnp.int32)[None],
-        cache, jnp.array([slots - 1], jnp.int32), attend_len=16,
+        cache, table[-1:],
     )  # fmt: skip
     check(np.asarray(logits[0]), expected[:prompt])
     for t in range(prompt, len(tokens)):
-        # the last slot decodes; the others are inactive (their writes land past the cache and are dropped)
+        # the last row decodes; the others hold no request (position -1: their writes go to the null page)
         step_tokens = jnp.asarray([[5]] * (slots - 1) + [[tokens[t]]], jnp.int32)
-        positions = jnp.asarray([[64]] * (slots - 1) + [[t]], jnp.int32)
-        logits, cache = forward(
-            params, config, step_tokens, positions, cache, jnp.arange(slots, dtype=jnp.int32),
-            attend_len=32, all_slots=True,
-        )  # fmt: skip
+        positions = jnp.asarray([[-1]] * (slots - 1) + [[t]], jnp.int32)
+        logits, cache = forward(params, config, step_tokens, positions, cache, table)
         check(np.asarray(logits[-1, 0]), expected[t])
 
 
@@ -97,15 +94,16 @@ def test_bfloat16_cache_is_written_in_place():
     SmolLM2 step); the bit-pattern storage keeps every cache-sized array out of the program."""
     config = LLAMA
     params = random_params(config, seed=3)
-    cache = init_cache(config, CacheConfig(num_slots=6, max_len=64, dtype="bfloat16"), make_mesh())
+    cache = init_cache(config, paged_cache_config(6, 64, dtype="bfloat16"), make_mesh())
     step = jax.jit(
-        lambda params, tokens, positions, cache, slots: forward(
-            params, config, tokens, positions, cache, slots, attend_len=32, all_slots=True
+        lambda params, tokens, positions, cache, table: forward(
+            params, config, tokens, positions, cache, table
         ),
         donate_argnums=(3,),
     )
     tokens, positions = jnp.ones((6, 1), jnp.int32), jnp.full((6, 1), 3, jnp.int32)
-    text = step.lower(params, tokens, positions, cache, jnp.arange(6)).compile().as_text()
+    table = jnp.asarray(contiguous_page_table(6, 4))
+    text = step.lower(params, tokens, positions, cache, table).compile().as_text()
     whole = ",".join(map(str, cache.k.shape))
     assert f"u16[{whole}]" in text
     assert f"f32[{whole}]" not in text and f"bf16[{whole}]" not in text
@@ -121,7 +119,7 @@ def _greedy_reference(params, config, prompt: list[int], steps: int) -> list[int
 @pytest.fixture(scope="module")
 def llama_engine():
     params = random_params(LLAMA, seed=1)
-    engine = JaxEngine(params, LLAMA, CacheConfig(num_slots=4, max_len=128), max_prefill_chunk=32)
+    engine = JaxEngine(params, LLAMA, paged_cache_config(4, 128), max_prefill_chunk=32)
     engine.warmup()
     return engine, params
 
@@ -148,19 +146,19 @@ def test_batched_greedy_equals_each_prompt_alone_and_full_recompute(llama_engine
 
 
 def test_many_rows_decode_attends_over_midpoint_buckets():
-    """Decode of more than ROWS_AS_VECTORS rows reads 96 positions where fewer rows read 128, with the
-    tokens those prompts get at 2 rows and from a full recompute."""
+    """Decode of more than ROWS_AS_VECTORS rows reads 96 positions (12 pages) where fewer rows read 128,
+    with the tokens those prompts get at 2 rows and from a full recompute."""
     params = random_params(LLAMA, seed=1)
-    engine = JaxEngine(params, LLAMA, CacheConfig(num_slots=8, max_len=128), max_prefill_chunk=32)
+    engine = JaxEngine(params, LLAMA, paged_cache_config(8, 128), max_prefill_chunk=32)
     tok = IdTokenizer(LLAMA.vocab_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     rng = np.random.default_rng(11)
     prompts = [list(rng.integers(0, 101, size=n)) for n in (70, 66, 75, 68, 72, 80, 71, 69)]
     batched = generate(engine, tok, prompts, [greedy] * len(prompts))
     decode_keys = {key for key in engine._programs if key[0] == "decode"}
-    assert ("decode", 96, 8) in decode_keys and ("decode", 128, 8) not in decode_keys
+    assert ("decode", 12, 8) in decode_keys and ("decode", 16, 8) not in decode_keys
     alone = generate(engine, tok, prompts[:2], [greedy] * 2)  # 2 rows: power-of-two buckets only
-    assert ("decode", 128, 2) in engine._programs and ("decode", 96, 2) not in engine._programs
+    assert ("decode", 16, 2) in engine._programs and ("decode", 12, 2) not in engine._programs
     for result, single in zip(batched, alone):
         assert result.token_ids == single.token_ids
     assert batched[0].token_ids == _greedy_reference(params, LLAMA, prompts[0], 10)
@@ -175,9 +173,7 @@ def test_pallas_attention_path_gives_the_xla_tokens(arch):
     tokens = {}
     for impl in ("xla", "pallas"):
         kernels = KernelConfig(attention=impl, interpret=True)
-        engine = JaxEngine(
-            params, config, CacheConfig(num_slots=4, max_len=128), max_prefill_chunk=32, kernels=kernels
-        )
+        engine = JaxEngine(params, config, paged_cache_config(4, 128), max_prefill_chunk=32, kernels=kernels)
         results = generate(engine, IdTokenizer(config.vocab_size), prompts, [greedy] * 3)
         tokens[impl] = [r.token_ids for r in results]
     assert tokens["pallas"] == tokens["xla"]
@@ -220,68 +216,80 @@ def test_stop_token_ids_and_max_tokens_on_device(llama_engine):
 def test_prefill_reports_done_and_context_end(llama_engine):
     engine, _ = llama_engine
     s = SamplingParams(temperature=0.0, max_tokens=1)
-    out = engine.prefill([PrefillChunk(slot=1, token_ids=[3, 4, 5], start=0, sampling=s)]).result()
+    out = engine.prefill([PrefillChunk(1, [3, 4, 5], 0, s, page_ids=[7])]).result()
     assert out.valid[1] and out.done[1] and out.reason[1] == FINISH_LENGTH
     assert not out.valid[[0, 2, 3]].any()
     # a stop id sampled as the first token ends the request at once
     first = int(out.token[1])
     s = SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=(first,))
-    out = engine.prefill([PrefillChunk(slot=1, token_ids=[3, 4, 5], start=0, sampling=s)]).result()
+    out = engine.prefill([PrefillChunk(1, [3, 4, 5], 0, s, page_ids=[7])]).result()
     assert out.done[1] and out.reason[1] == FINISH_STOP
-    assert not engine.decode().result().valid.any()
+    assert not engine.decode(_batch(engine, {1: (3, [7])})).result().valid.any()
+
+
+def _batch(engine, rows: dict[int, tuple[int, list[int]]]) -> DecodeBatch:
+    """A decode batch listing {slot: (position, pages)}."""
+    positions = np.full(engine.num_slots, -1, np.int32)
+    table = np.zeros((engine.num_slots, engine.cache_config.pages_per_seq), np.int32)
+    for slot, (position, pages) in rows.items():
+        positions[slot] = position
+        table[slot, : len(pages)] = pages
+    return DecodeBatch(positions, table)
 
 
 def test_warmup_runs_each_program_without_touching_the_state():
     params = random_params(LLAMA, seed=1)
-    engine = JaxEngine(params, LLAMA, CacheConfig(num_slots=2, max_len=64), max_prefill_chunk=16)
+    engine = JaxEngine(params, LLAMA, paged_cache_config(2, 64), max_prefill_chunk=16)
     before = jax.tree.map(np.asarray, engine.state)
     engine.warmup()
     after = engine.state
     assert not np.asarray(after.active).any()
-    # Every write dropped: positions past max_len land in the spare column (kv_cache.py), never read.
-    usable = (..., slice(0, after.cache.max_len), slice(None))
+    # Every write went to the null page (kv_cache.NULL_PAGE), which attention never reads.
+    usable = (slice(None), slice(None), slice(1, None))
     np.testing.assert_array_equal(np.asarray(after.cache.k)[usable], before.cache.k[usable])
     np.testing.assert_array_equal(np.asarray(after.cache.v)[usable], before.cache.v[usable])
-    for field in ("lengths", "generated"):  # decode over inactive slots leaves them as they were
-        np.testing.assert_array_equal(np.asarray(getattr(after, field))[1:], getattr(before, field)[1:])
+    # decode over rows it does not list leaves them as they were
+    np.testing.assert_array_equal(np.asarray(after.generated)[1:], before.generated[1:])
 
 
 def test_cache_is_donated_and_updated_in_place(llama_engine):
     engine, _ = llama_engine
     before = engine.state.cache.k
-    engine.decode().result()
+    engine.decode(_batch(engine, {})).result()
     assert before.is_deleted(), "the decode step did not consume (donate) the cache"
     decode_programs = [p for key, p in engine._programs.items() if key[0] == "decode"]
-    assert len(decode_programs) == 2 * 3  # attend buckets 64, 128 x row buckets 1, 2, 4
+    assert len(decode_programs) == 2 * 3  # 8 and 16 pages (64, 128 positions) x row buckets 1, 2, 4
     for program in decode_programs:
         assert "input_output_alias" in program.as_text()
 
 
-def test_release_frees_a_slot_for_the_next_step(llama_engine):
+def test_a_slot_left_out_of_the_batch_samples_nothing(llama_engine):
     engine, _ = llama_engine
     s = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
-    engine.prefill([PrefillChunk(slot=0, token_ids=[1, 2, 3], start=0, sampling=s)]).result()
-    assert engine.decode().result().valid[0]
-    engine.release(0)
-    assert not engine.decode().result().valid[0]
+    engine.prefill([PrefillChunk(0, [1, 2, 3], 0, s, page_ids=[5])]).result()
+    assert engine.decode(_batch(engine, {0: (3, [5])})).result().valid[0]
+    assert not engine.decode(_batch(engine, {})).result().valid[0]
+    assert engine.decode(_batch(engine, {0: (4, [5])})).result().valid[0]
 
 
 def test_invalid_chunks_raise(llama_engine):
     engine, _ = llama_engine
     s = SamplingParams()
     with pytest.raises(ValueError, match="slot"):
-        engine.prefill([PrefillChunk(slot=9, token_ids=[1], start=0, sampling=s)])
+        engine.prefill([PrefillChunk(9, [1], 0, s, page_ids=[1])])
     with pytest.raises(ValueError, match="tokens"):
-        engine.prefill([PrefillChunk(slot=0, token_ids=list(range(40)), start=0, sampling=s)])
+        engine.prefill([PrefillChunk(0, list(range(40)), 0, s, page_ids=[1] * 5)])
     with pytest.raises(ValueError, match="context"):
-        engine.prefill([PrefillChunk(slot=0, token_ids=[1] * 10, start=125, sampling=s)])
+        engine.prefill([PrefillChunk(0, [1] * 10, 125, s, page_ids=[1] * 17)])
+    with pytest.raises(ValueError, match="pages"):
+        engine.prefill([PrefillChunk(0, [1] * 10, 0, s, page_ids=[])])
     with pytest.raises(ValueError, match="distinct"):
-        engine.prefill([PrefillChunk(0, [1], 0, s), PrefillChunk(0, [2], 0, s)])
+        engine.prefill([PrefillChunk(0, [1], 0, s, [1]), PrefillChunk(0, [2], 0, s, [2])])
 
 
 def test_state_stays_on_declared_shardings(llama_engine):
     engine, _ = llama_engine
-    engine.decode().result()
+    engine.decode(_batch(engine, {})).result()
     mesh_devices = set(make_mesh().devices.flat)
     for leaf in jax.tree.leaves(engine.state):
         assert set(leaf.sharding.device_set) == mesh_devices

@@ -7,22 +7,24 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.config import CacheConfig
 from jaxinfer.generate import generate
-from jaxinfer.kv_cache import init_cache
+from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.loading import load_model
 from jaxinfer.model import forward
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
+from jaxinfer.testing import paged_cache_config
 
 
 def _full_logits(loaded, tokens: np.ndarray, attend_len: int, last_only: bool = False) -> np.ndarray:
     """Logits of a whole-sequence forward pass (no incremental decode): [1, t, vocab] or [1, vocab]."""
-    cache = init_cache(loaded.config, CacheConfig(num_slots=1, max_len=attend_len), make_mesh())
+    cache_config = paged_cache_config(1, attend_len)
+    cache = init_cache(loaded.config, cache_config, make_mesh())
     t = tokens.shape[1]
     logits, _ = forward(
         loaded.params, loaded.config, jnp.asarray(tokens, jnp.int32),
-        jnp.arange(t, dtype=jnp.int32)[None], cache, jnp.zeros(1, jnp.int32), attend_len=attend_len,
+        jnp.arange(t, dtype=jnp.int32)[None], cache,
+        jnp.asarray(contiguous_page_table(1, cache_config.pages_per_seq)),
         logits_index=jnp.array([t - 1], jnp.int32) if last_only else None,
     )  # fmt: skip
     return np.asarray(logits)

@@ -10,17 +10,20 @@ import random
 import pytest
 
 from jaxinfer.request import SamplingParams
-from jaxinfer.scheduler import QueueFull, RequestStatus, Scheduler
+from jaxinfer.scheduler import QueueFull, RequestStatus, Scheduler, dispatch
 from jaxinfer.testing import FakeTokenizer, MockEngine
 
 
-def make(engine, *, max_queue=16, budget=None, tokenizer=None):
+def make(engine, *, max_queue=16, budget=None, tokenizer=None, prefix_caching=True):
     return Scheduler(
         num_slots=engine.num_slots,
         max_seq_len=engine.max_seq_len,
         max_prefill_chunk=engine.max_prefill_chunk,
+        page_size=engine.page_size,
+        num_pages=engine.num_pages,
         max_queue=max_queue,
         prefill_token_budget=budget,
+        enable_prefix_caching=prefix_caching,
         detokenizer_factory=(tokenizer or FakeTokenizer()).detokenizer,
     )
 
@@ -53,17 +56,12 @@ def drive(scheduler, engine, *, pipelined=True, before_step=None, min_steps=0, m
             continue
         plan = scheduler.schedule()
         plans.append(plan)
-        for slot in plan.released_slots:
-            engine.release(slot)
-        p = engine.prefill(plan.prefill_chunks) if plan.prefill_chunks else None
-        d = engine.decode() if plan.decode else None
-        step = (plan, p, d)
+        step = dispatch(engine, plan)
         if not pipelined:
             in_flight, step = step, None
         if in_flight is not None:
-            prev, pp, dd = in_flight
-            credit(scheduler.update_from_output(prev, pp and pp.result(), dd and dd.result()))
-        in_flight = step if (step and (step[1] or step[2])) else None
+            credit(scheduler.update_from_output(in_flight.plan, *in_flight.results()))
+        in_flight = step
     else:
         raise AssertionError("did not finish")
     return {rid: (tokens[rid], texts[rid], reasons[rid]) for rid in reasons}, plans
@@ -119,7 +117,7 @@ def test_long_prompt_is_chunked_and_decodes_only_after_the_last_chunk():
     chunks = [(c.start, len(c.token_ids), c.is_last) for p in plans for c in p.prefill_chunks]
     assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
     first_last = next(i for i, p in enumerate(plans) if any(c.is_last for c in p.prefill_chunks))
-    assert not any(p.decode for p in plans[:first_last])
+    assert not any(p.decode_batch is not None for p in plans[:first_last])
     only_last = [c for p in plans for c in p.prefill_chunks if c.is_last]
     assert tuple(only_last[0].prompt_token_ids) == tuple(prompt)
     sampling = SamplingParams(max_tokens=3, seed=1)
@@ -140,7 +138,7 @@ def test_prefill_budget_spreads_a_long_prompt_while_running_requests_keep_decodi
     long_steps = [i for i, p in enumerate(plans) if any(c.slot == 1 for c in p.prefill_chunks)]
     assert len(long_steps) == 6  # 7 + 8*4 + 1
     # "short" decodes in every one of those steps: a long prompt does not stall a running stream.
-    assert all(plans[i].decode and 0 in plans[i].decode_owners for i in long_steps[1:])
+    assert all(plans[i].decode_batch is not None and 0 in plans[i].decode_owners for i in long_steps[1:])
     for rid, prompt, sp in [
         ("short", [4, 5, 6], SamplingParams(max_tokens=30)),
         ("long", list(range(4, 44)), SamplingParams(max_tokens=2)),
@@ -170,7 +168,7 @@ def test_many_requests_match_reference_and_free_every_slot(pipelined):
         assert tokens == expected, rid
         assert text == tok.decode(expected)
         assert reason == ("stop" if expected[-1] in tok.eos_ids else "length")
-    assert sched.num_free_slots == 3 and sched.num_live == 0 and engine.num_active_slots() == 0
+    assert sched.num_free_slots == 3 and sched.num_live == 0 and sched.pool.num_used == 0
 
 
 def ids(tok, text):
@@ -187,8 +185,9 @@ def test_stop_string_truncates_text_holds_back_prefixes_and_frees_the_slot():
     results, plans = drive(sched, engine)
     tokens, text, reason = results["s"]
     assert tokens == ids(tok, "bcde") and text == "bc" and reason == "stop"
-    # The slot went back to the engine and straight to the next request.
-    assert engine.release_log and engine.release_log[0][0] == 0
+    # The slot and the pages went straight to the next request.
+    admitted = next(p for p in plans if p.admitted_request_ids == ("next",))
+    assert [c.slot for c in admitted.prefill_chunks] == [0]
     assert results["next"][0] == ids(tok, "BCD")
 
 
@@ -202,7 +201,7 @@ def test_text_never_shows_part_of_a_stop_string():
     while sched.has_work() or in_flight:
         plan = sched.schedule()
         p = engine.prefill(plan.prefill_chunks) if plan.prefill_chunks else None
-        d = engine.decode() if plan.decode else None
+        d = engine.decode(plan.decode_batch) if plan.decode_batch is not None else None
         for out in sched.update_from_output(plan, p and p.result(), d and d.result()):
             streamed.append(out.new_text)
         in_flight = None
@@ -224,7 +223,7 @@ def test_multibyte_character_split_across_tokens_is_never_broken():
     while sched.has_work():
         plan = sched.schedule()
         p = engine.prefill(plan.prefill_chunks) if plan.prefill_chunks else None
-        d = engine.decode() if plan.decode else None
+        d = engine.decode(plan.decode_batch) if plan.decode_batch is not None else None
         streamed += [o.new_text for o in sched.update_from_output(plan, p and p.result(), d and d.result())]
     # Step 1 samples both halves of "é" (prefill + decode); step 2 only half of "😀": nothing to show.
     assert streamed == ["é", "", "😀"]
@@ -245,8 +244,10 @@ def test_finish_request_frees_the_slot_at_once_and_drops_the_speculative_token()
 
     results, plans = drive(sched, engine, before_step=on_step)
     cancel_plan = plans[4]
-    assert cancel_plan.released_slots == (0,)  # released in the very next step
-    assert cancel_plan.admitted_request_ids == ("b",)  # ... and reused by the waiting request
+    # The very next step no longer decodes "a"; its slot goes to the waiting request.
+    assert all(seq.request_id != "a" for seq, _ in cancel_plan.decode_owners.values())
+    assert cancel_plan.admitted_request_ids == ("b",)
+    assert [c.slot for c in cancel_plan.prefill_chunks] == [0]
     a_tokens, _, a_reason = results["a"]
     full = engine.reference_tokens([3], SamplingParams(max_tokens=40))
     assert a_reason == "cancelled" and a_tokens == full[: len(a_tokens)]
@@ -295,7 +296,9 @@ def test_random_arrivals_and_cancels_keep_invariants_and_leak_no_slot():
             assert reason == "cancelled" and tokens == expected[: len(tokens)]
         else:
             assert tokens == expected and reason == "length"
-    assert sched.num_free_slots == 4 and engine.num_active_slots() == 0 and sched.num_tokens_held() == 0
+    assert sched.num_free_slots == 4 and sched.num_tokens_held() == 0
+    assert sched.pool.num_used == 0
+    sched.pool.check()
 
 
 def test_host_side_max_tokens_backstop_releases_the_slot():
@@ -313,4 +316,6 @@ def test_host_side_max_tokens_backstop_releases_the_slot():
     results, plans = drive(sched, engine)
     assert results["a"][0] == engine.reference_tokens([1], SamplingParams(max_tokens=3))
     assert results["a"][2] == "length"
-    assert any(p.released_slots == (0,) for p in plans) and engine.num_active_slots() == 0
+    # The device still thinks the slot is active; the host stops listing it and frees its pages.
+    assert sched.num_free_slots == 1 and sched.pool.num_used == 0
+    assert len(plans[-1].decode_owners) <= 1 and engine.num_decode_steps <= 3

@@ -16,10 +16,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.config import CacheConfig, ModelConfig
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import DecodeBatch
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
-from jaxinfer.kv_cache import init_cache
+from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.model import forward
 from jaxinfer.params import random_params
 from jaxinfer.request import SamplingParams
@@ -34,7 +35,7 @@ from jaxinfer.sharding import (
     parse_mesh,
     shard_params,
 )
-from jaxinfer.testing import IdTokenizer
+from jaxinfer.testing import IdTokenizer, paged_cache_config
 
 VOCAB = 128
 LLAMA = ModelConfig(
@@ -50,7 +51,7 @@ GEMMA = ModelConfig(
 )  # fmt: skip
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
 MESHES = {"1x2": (1, 2), "1x4": (1, 4), "2x4": (2, 4)}  # data x tensor; 1x1 is the reference
-CACHE = CacheConfig(num_slots=4, max_len=64)
+CACHE = paged_cache_config(4, 64)
 
 
 def _mesh(name: str):
@@ -85,9 +86,9 @@ def test_param_rules_split_divisible_dims_and_replicate_the_rest():
     assert param_spec(("layers", 0, "down_proj", "scale"), (64,), mesh) == REPLICATED
     place = param_placement(mesh)
     assert place(("lm_head",), (VOCAB, 64), "float32") == NamedSharding(mesh, P(TENSOR, None))
-    # Gemma's one KV head cannot split over tensor=4: its cache heads are replicated, slots still split
-    assert kv_cache_spec("bhsd", 1, 4, mesh) == P(None, DATA, None, None, None)
-    assert kv_cache_spec("bshd", 2, 4, _mesh("1x2")) == P(None, DATA, None, TENSOR, None)
+    # Gemma's one KV head cannot split over tensor=4: its pages are replicated
+    assert kv_cache_spec(1, mesh) == P(None, None, None, None, None)
+    assert kv_cache_spec(2, _mesh("1x2")) == P(None, TENSOR, None, None, None)
 
 
 def test_mesh_construction_validates():
@@ -107,18 +108,13 @@ def test_mesh_construction_validates():
 
 
 def _two_steps(params, cache, prompt, *, config):
-    """Prefill `prompt` into slot 1, then one decode step over every slot: (prefill, decode) logits."""
+    """Prefill `prompt` into row 1's pages, then one decode step over every row: (prefill, decode) logits."""
     t = prompt.shape[1]
-    logits_p, cache = forward(
-        params, config, prompt, jnp.arange(t, dtype=jnp.int32)[None], cache, jnp.array([1], jnp.int32),
-        attend_len=32,
-    )  # fmt: skip
+    table = jnp.asarray(contiguous_page_table(4, 4))  # 4 rows x 32 positions
+    logits_p, cache = forward(params, config, prompt, jnp.arange(t, dtype=jnp.int32)[None], cache, table[1:2])
     step = jnp.array([[7], [int(VOCAB) - 1], [3], [9]], jnp.int32)
-    positions = jnp.array([[64], [t], [64], [64]], jnp.int32)  # only slot 1 is live
-    logits_d, cache = forward(
-        params, config, step, positions, cache, jnp.arange(4, dtype=jnp.int32), attend_len=32,
-        all_slots=True,
-    )  # fmt: skip
+    positions = jnp.array([[-1], [t], [-1], [-1]], jnp.int32)  # only row 1 is live
+    logits_d, cache = forward(params, config, step, positions, cache, table)
     return logits_p, logits_d, cache
 
 
@@ -136,7 +132,7 @@ def _forward_logits(arch: str, mesh_name: str):
         out_shardings=(replicated, replicated, cache_shardings),
     )  # fmt: skip
     logits_p, logits_d, cache = step(params, cache, prompt)
-    assert cache.k.sharding.spec == kv_cache_spec("bhsd", config.num_kv_heads, CACHE.num_slots, mesh)
+    assert cache.k.sharding.spec == kv_cache_spec(config.num_kv_heads, mesh)
     return np.asarray(logits_p), np.asarray(logits_d)
 
 
@@ -177,7 +173,7 @@ def _assert_declared_shardings(engine: JaxEngine) -> None:
         key_path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
         assert leaf.sharding.mesh == mesh
         assert leaf.sharding.spec == param_spec(key_path, leaf.shape, mesh), key_path
-    cache_spec = kv_cache_spec(CACHE.layout, engine.config.num_kv_heads, CACHE.num_slots, mesh)
+    cache_spec = kv_cache_spec(engine.config.num_kv_heads, mesh)
     assert engine.state.cache.k.sharding.spec == cache_spec
     assert engine.state.cache.v.sharding.spec == cache_spec
     slots = DATA if CACHE.num_slots % mesh.shape[DATA] == 0 else None
@@ -204,7 +200,8 @@ def test_engine_greedy_tokens_match_one_device(arch, mesh_name):
 
     # The decode program keeps the sharded cache donated: the old buffer dies and the HLO aliases it.
     before = engine.state.cache.k
-    engine.decode().result()
+    idle = DecodeBatch(np.full(4, -1, np.int32), np.zeros((4, CACHE.pages_per_seq), np.int32))
+    engine.decode(idle).result()
     assert before.is_deleted(), "the decode step did not consume (donate) the sharded cache"
     for key, program in engine._programs.items():
         if key[0] == "decode":

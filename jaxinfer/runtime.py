@@ -242,9 +242,9 @@ def _cache_config(options: RuntimeOptions, config: ModelConfig, dtype: str) -> C
         per_page = bytes_per_page(config, page_size, cache_dtype)
         needed = options.num_slots * -(-max_len // page_size) * per_page
         memory = options.kv_cache_memory or default_kv_cache_memory(backend, needed)
-        num_pages = memory // per_page
-        if num_pages < 2:
+        if memory < per_page:
             raise ValueError(f"{memory} bytes of KV cache hold no page of {per_page} bytes")
+        num_pages = memory // per_page + 1  # plus the null page
     log.info("KV cache: %d pages of %d positions (%s)", num_pages - 1, page_size, cache_dtype)
     return CacheConfig(
         num_pages=num_pages, page_size=page_size, max_len=max_len, num_slots=options.num_slots,

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import CacheConfig, KernelConfig
 from jaxinfer.cpu_kernels import (
     decode_attention_available,
     decode_attention_cpu,
@@ -17,10 +16,8 @@ from jaxinfer.cpu_kernels import (
     vnni_available,
 )
 from jaxinfer.cpu_kernels.native_build import cpu_flags
-from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
-from jaxinfer.jax_engine import JaxEngine
-from jaxinfer.params import random_params
-from tests.test_engine import CONFIGS
+
+# The engine tests at the end import the engine inside themselves: the kernel's tests do not depend on it.
 
 needs_kernel = pytest.mark.skipif(
     not decode_attention_available(), reason="needs an x86-64 CPU with AVX-512F and g++"
@@ -36,45 +33,178 @@ def test_kernels_build_wherever_the_cpu_and_a_compiler_allow():
     assert vnni_available() == ({"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags())
 
 
-def _bf16_bits(x: jax.Array) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16)
+def _bf16_bits(x) -> jax.Array:
+    return jax.lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.bfloat16), jnp.uint16)
+
+
+def _storage(x, cache_dtype: str) -> jax.Array:
+    return _bf16_bits(x) if cache_dtype == "bf16bits" else jnp.asarray(x, jnp.float32)
+
+
+def _widen(pages: jax.Array) -> np.ndarray:
+    if pages.dtype == jnp.uint16:
+        pages = jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
+    return np.asarray(pages.astype(jnp.float32), np.float64)
+
+
+def _rel(got, want) -> float:
+    return float(np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want))
 
 
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
-# (cache slots, query rows, kv heads, query heads, positions, head dim, window, softcap): GQA groups of
-# 1, 3, 4 and 9 (more than one pass of 8 heads), a window, a softcap, a prefix of the slots.
+# (rows, kv heads, query heads, page size, pages per row, head dim, window, softcap): GQA groups of 3, 4,
+# 9 (more than one pass of 8 heads), 3 and 7, 8; pages of 1, 16, 24, 64 and 128 positions; head dims
+# taking each width of the value pass (16, 48: one 16-wide chunk; 32: two; 64, 256: four or two).
 @pytest.mark.parametrize(
-    "slots,rows,kv,heads,positions,dim,window,softcap",
+    "rows,kv,heads,page_size,width,dim,window,softcap",
     [
-        (5, 5, 2, 6, 41, 32, None, None),
-        (4, 3, 1, 4, 70, 256, 7, None),
-        (3, 3, 3, 9, 33, 64, None, 30.0),
-        (6, 2, 1, 9, 19, 16, 5, 20.0),
+        (5, 2, 6, 16, 4, 32, None, None),
+        (4, 1, 4, 1, 70, 256, 7, None),
+        (3, 3, 27, 64, 2, 64, None, 30.0),
+        (6, 1, 9, 24, 3, 16, 5, 20.0),
+        (3, 2, 14, 16, 5, 48, 20, None),
+        (2, 1, 8, 128, 2, 64, None, None),
     ],
 )
-def test_kernel_matches_its_reference(cache_dtype, slots, rows, kv, heads, positions, dim, window, softcap):
-    rng = np.random.default_rng(positions)
-    k, v = (jnp.asarray(rng.normal(size=(2, slots, kv, positions, dim)), jnp.float32) for _ in range(2))
-    if cache_dtype == "bf16bits":
-        k, v = _bf16_bits(k), _bf16_bits(v)
+def test_kernel_matches_its_reference(cache_dtype, rows, kv, heads, page_size, width, dim, window, softcap):
+    rng = np.random.default_rng(page_size * 1000 + dim)
+    pages = rows * width + 3
+    k, v = (_storage(rng.normal(size=(2, kv, pages, page_size, dim)), cache_dtype) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(rows, heads, dim)) * 3.0, jnp.float32)  # peaked softmaxes too
-    # Every kind of row: the whole cache, empty (an inactive slot), one key, some keys.
+    # Any page anywhere, shared or not: the table is all the kernel goes by.
+    table = jnp.asarray(rng.integers(0, pages, size=(rows, width)), jnp.int32)
+    # Every kind of row: the whole table, empty (inactive), one key, some keys.
+    positions = width * page_size
     lengths = jnp.asarray(rng.integers(2, positions, size=rows), jnp.int32).at[0].set(positions)
     lengths = lengths.at[1].set(0) if rows > 2 else lengths.at[1].set(1)
     kwargs = dict(layer=1, scale=dim**-0.5, sliding_window=window, softcap=softcap)
-    got = jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs))(q, k, v, lengths)
-    want = decode_attention_cpu_reference(q, k, v, lengths, **kwargs)
-    assert got.shape == (rows, heads, dim)
+    got = jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs))(q, k, v, table, lengths)
+    want = decode_attention_cpu_reference(q, k, v, table, lengths, **kwargs)
+    assert got.shape == (rows, heads, dim) and got.dtype == jnp.float32
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
     if rows > 2:
-        assert not np.asarray(got[1]).any()  # an inactive slot's output is zeros
+        assert not np.asarray(got[1]).any()  # an inactive row's output is zeros
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
+@pytest.mark.parametrize("group", range(1, 10))
+def test_every_gqa_group_size(cache_dtype, group):
+    rng = np.random.default_rng(group)
+    rows, kv, dim, page_size, width = 3, 2, 64, 16, 3
+    k, v = (_storage(rng.normal(size=(1, kv, 8, page_size, dim)), cache_dtype) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(rows, kv * group, dim)), jnp.float32)
+    table = jnp.asarray(rng.integers(0, 8, size=(rows, width)), jnp.int32)
+    lengths = jnp.asarray([48, 33, 5], jnp.int32)
+    kwargs = dict(layer=0, scale=dim**-0.5, sliding_window=None, softcap=None)
+    got = decode_attention_cpu(q, k, v, table, lengths, **kwargs)
+    want = decode_attention_cpu_reference(q, k, v, table, lengths, **kwargs)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+
+
+def _scatter_into_pages(rng, dense: list[np.ndarray], lengths, page_size: int, layers: int, layer: int):
+    """Random non-contiguous pages holding each dense [rows, kv, positions, d] (K, V) up to each row's
+    length, in `layer` of pools whose page 0 (the null page), spare pages and slots past each row's
+    last key are NaN, and whose other layers hold other garbage.
+    -> pools [layers, kv, P, S, d], table [rows, W]."""
+    rows, kv, _, dim = dense[0].shape
+    need = [-(-n // page_size) for n in lengths]
+    width = max(need) + 1  # a spare column past every row's end
+    num_pages = 1 + sum(need) + 4  # the null page, each row's pages, 4 never used
+    pools = [rng.normal(size=(layers, kv, num_pages, page_size, dim)) * 5.0 for _ in dense]
+    for pool in pools:
+        pool[layer] = np.nan
+    ids = iter(rng.permutation(np.arange(1, num_pages)))
+    table = rng.integers(0, num_pages, size=(rows, width))  # entries past a row's end: anything
+    for r, n in enumerate(lengths):
+        for i in range(need[r]):
+            table[r, i] = page = next(ids)
+            for pool, x in zip(pools, dense):
+                chunk = x[r, :, i * page_size : min(n, (i + 1) * page_size)]
+                pool[layer, :, page, : chunk.shape[1]] = chunk
+    return pools, jnp.asarray(table, jnp.int32)
+
+
+def _dense_attention(q, k, v, lengths, scale, window, softcap) -> np.ndarray:
+    """Plain masked softmax attention, float64, over contiguous k, v [rows, kv, positions, d]."""
+    rows, heads, dim = q.shape
+    kv = k.shape[1]
+    out = np.zeros((rows, heads, dim))
+    for r, n in enumerate(lengths):
+        start = max(0, n - window) if window else 0
+        for h in range(heads):
+            keys, values = k[r, h // (heads // kv), start:n], v[r, h // (heads // kv), start:n]
+            if n == 0:
+                continue
+            s = keys @ q[r, h] * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            w = np.exp(s - s.max())
+            out[r, h] = w @ values / w.sum()
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
+@pytest.mark.parametrize("page_size", [1, 16, 24, 64])
+@pytest.mark.parametrize("window,softcap", [(None, None), (19, 25.0)])
+def test_kernel_on_scattered_pages_matches_dense_attention(cache_dtype, page_size, window, softcap):
+    rng = np.random.default_rng(page_size)
+    rows, kv, heads, dim, layer = 7, 2, 6, 64, 1
+    # Lengths: empty, one key, a page exactly, a page and one, odd, long, not multiples of the page size.
+    lengths = [0, 1, page_size, page_size + 1, 37, 2 * page_size + 3, 131]
+    positions = max(lengths)
+    dense_k, dense_v = (rng.normal(size=(rows, kv, positions, dim)) for _ in range(2))
+    q = rng.normal(size=(rows, heads, dim)) * 2.0
+    (k_pool, v_pool), table = _scatter_into_pages(rng, [dense_k, dense_v], lengths, page_size, 3, layer)
+    k_pages, v_pages = _storage(k_pool, cache_dtype), _storage(v_pool, cache_dtype)
+    # The dense keys and values as the pages store them (bfloat16-rounded where they are bf16 bits).
+    dense_k, dense_v = (_widen(_storage(x, cache_dtype)) for x in (dense_k, dense_v))
+    scale = dim**-0.5
+    kwargs = dict(layer=layer, scale=scale, sliding_window=window, softcap=softcap)
+    args = (jnp.asarray(q, jnp.float32), k_pages, v_pages, table, jnp.asarray(lengths, jnp.int32))
+    got = np.asarray(jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs))(*args))
+    want = _dense_attention(
+        np.asarray(args[0], np.float64), dense_k, dense_v, lengths, scale, window, softcap
+    )
+    assert np.isfinite(got).all()  # no NaN page slot was read
+    assert _rel(got, want) < 1e-5
+    assert not got[0].any()
+    reference = np.asarray(decode_attention_cpu_reference(*args, **kwargs))
+    assert _rel(got, reference) < 1e-5 and _rel(reference, want) < 1e-5
+
+
+@needs_kernel
+def test_bad_shapes_are_refused_clearly():
+    q = jnp.zeros((3, 4, 32), jnp.float32)
+    pages = jnp.zeros((2, 2, 5, 16, 32), jnp.float32)
+    table, lengths = jnp.zeros((3, 2), jnp.int32), jnp.ones((3,), jnp.int32)
+    kwargs = dict(layer=0, scale=1.0, sliding_window=None, softcap=None)
+    with pytest.raises(ValueError, match="page_table"):
+        decode_attention_cpu(q, pages, pages, table[:2], lengths, **kwargs)
+    with pytest.raises(ValueError, match="layer"):
+        decode_attention_cpu(q, pages, pages, table, lengths, **{**kwargs, "layer": 2})
+    with pytest.raises(ValueError, match="multiple of 16"):
+        decode_attention_cpu(q[..., :24], pages[..., :24], pages[..., :24], table, lengths, **kwargs)
+    with pytest.raises(ValueError, match="one shape"):
+        decode_attention_cpu(q, pages, pages[:, :, :4], table, lengths, **kwargs)
+    # The FFI handler checks too, for callers that bypass the wrapper.
+    call = jax.ffi.ffi_call("jaxinfer_decode_attention_f32", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    with pytest.raises(Exception, match="page_table"):
+        call(q, pages, pages, table[:2], lengths, layer=np.int64(0), window=np.int64(0),
+             scale=np.float32(1.0), softcap=np.float32(0.0))  # fmt: skip
 
 
 @needs_kernel
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtype):
+    from jaxinfer.config import KernelConfig
+    from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
+    from jaxinfer.params import random_params
+    from tests.test_engine import CONFIGS
+
     config = CONFIGS[arch]  # Gemma: sliding-window layers, a window of 7 passed by the end
     params = random_params(config, seed=3)
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, size=20)]
@@ -88,26 +218,35 @@ def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtyp
 
 @needs_kernel
 def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
+    from jaxinfer.config import KernelConfig
+    from jaxinfer.jax_engine import JaxEngine
+    from jaxinfer.params import random_params
+    from jaxinfer.testing import paged_cache_config
+    from tests.test_engine import CONFIGS
+
     config = CONFIGS["llama"]
     params = random_params(config, seed=0)
-    cache = CacheConfig(num_slots=4, max_len=256, dtype="bfloat16")
+    cache = paged_cache_config(4, 256, page_size=16, dtype="bfloat16")
     native = JaxEngine(params, config, cache, kernels=KernelConfig(attention="native"))
     xla = JaxEngine(params, config, cache, kernels=KernelConfig())
     # One row stays on XLA attention (kernel_dispatch.NATIVE_ATTENTION_MIN_ROWS); 2 and 4 rows read each
-    # slot up to its own length, so the attend buckets collapse to the whole cache.
+    # row up to its own length, so the page buckets collapse to a whole page table.
     assert [native.native_decode_attention(r) for r in (1, 2, 4)] == [False, True, True]
-    assert native._decode_attend_buckets(4) == (256,) and len(xla._decode_attend_buckets(4)) > 1
+    assert native._decode_page_buckets(4) == (16,) and len(xla._decode_page_buckets(4)) > 1
     assert native.decode_attend_len(4, 100) == 101
+    assert xla.decode_attend_len(4, 100) % 16 == 0 and xla.decode_attend_len(4, 100) > 100
     native.warmup()
     xla.warmup()
     assert native.compile_count < xla.compile_count
     # An int8 cache is not one the kernel reads: XLA attention, with its buckets.
-    int8 = JaxEngine(params, config, CacheConfig(num_slots=4, max_len=256, dtype="int8"),
+    int8 = JaxEngine(params, config, paged_cache_config(4, 256, page_size=16, dtype="int8"),
                      kernels=KernelConfig(attention="native"))  # fmt: skip
     assert not int8.native_decode_attention(4)
 
 
 def test_native_attention_is_refused_where_it_cannot_run():
+    from jaxinfer.config import KernelConfig
+
     with pytest.raises(ValueError, match="one CPU device"):
         KernelConfig.for_backend("cpu", "native", single_device=False)
     with pytest.raises(ValueError, match="one CPU device"):

@@ -47,14 +47,14 @@ def _greedy_tokens(engine) -> list[list[int]]:
 
 
 def _engine(mesh_text: str | None):
-    from jaxinfer.config import CacheConfig
     from jaxinfer.jax_engine import JaxEngine
     from jaxinfer.params import random_params
     from jaxinfer.sharding import make_mesh, parse_mesh
+    from jaxinfer.testing import paged_cache_config
 
     mesh = make_mesh(parse_mesh(mesh_text) if mesh_text else None)
     return JaxEngine(
-        random_params(_config(), seed=5), _config(), CacheConfig(num_slots=NUM_SLOTS, max_len=MAX_LEN),
+        random_params(_config(), seed=5), _config(), paged_cache_config(NUM_SLOTS, MAX_LEN),
         mesh=mesh, max_prefill_chunk=16, min_attend_bucket=64,
     )  # fmt: skip
 
@@ -87,48 +87,41 @@ def _worker(process_id: int, port: int, control_port: int, out: str) -> None:
 
 
 class _Recording:
-    """Wraps an engine and logs every call, including each step's first result read, in order."""
+    """Wraps an engine and logs every call with its arguments, in order."""
 
     def __init__(self, inner):
-        from jaxinfer.engine import Engine, PendingStep
+        from jaxinfer.engine import Engine
 
         log: list = []
         self.log = log
-
-        class Pending(PendingStep):
-            def __init__(self, step: int, inner_pending):
-                self.step, self.inner, self.read = step, inner_pending, False
-
-            def result(self):
-                if not self.read:
-                    self.read = True
-                    log.append(("result", self.step))
-                return self.inner.result()
 
         class Recorder(Engine):
             num_slots = property(lambda _: inner.num_slots)
             max_seq_len = property(lambda _: inner.max_seq_len)
             max_prefill_chunk = property(lambda _: inner.max_prefill_chunk)
+            page_size = property(lambda _: inner.page_size)
+            num_pages = property(lambda _: inner.num_pages)
 
             def prefill(self, chunks):
-                calls = tuple((c.slot, tuple(c.token_ids), c.start, c.sampling, c.is_last) for c in chunks)
+                calls = tuple(
+                    (c.slot, tuple(c.token_ids), c.start, c.sampling, tuple(c.page_ids), c.is_last,
+                     tuple(c.prompt_token_ids), c.num_generated)
+                    for c in chunks
+                )  # fmt: skip
                 log.append(("prefill", calls))
-                return Pending(len(log), inner.prefill(chunks))
+                return inner.prefill(chunks)
 
-            def decode(self):
-                log.append(("decode",))
-                return Pending(len(log), inner.decode())
-
-            def release(self, slot):
-                log.append(("release", slot))
-                inner.release(slot)
+            def decode(self, batch):
+                log.append(("decode", batch.positions.tolist(), batch.page_table.tolist()))
+                return inner.decode(batch)
 
         self.engine = Recorder()
 
 
 def test_followers_replay_every_call_of_process_0_in_order():
     """The control channel alone, over loopback TCP with arithmetic engines: process 1 must see exactly
-    the calls process 0 made (stop strings cause releases; a rejected call is rejected on both)."""
+    the calls process 0 made, arguments included (stop strings end requests early; a rejected call is
+    rejected on both)."""
     import threading
 
     import pytest
@@ -157,11 +150,11 @@ def test_followers_replay_every_call_of_process_0_in_order():
         ]
         results = generate(engine, IdTokenizer(VOCAB), prompts, sampling)
         with pytest.raises(ValueError):  # a slot out of range: refused here and on the follower
-            engine.prefill([PrefillChunk(99, [1], 0, SamplingParams())])
+            engine.prefill([PrefillChunk(99, [1], 0, SamplingParams(), page_ids=[1])])
     thread.join(timeout=20)
     assert not thread.is_alive(), "the follower did not stop at shutdown"
     assert any(r.finish_reason == "stop" for r in results)
-    assert any(op[0] == "release" for op in leader.log), "no stop string released a slot"
+    assert sum(op[0] == "decode" for op in leader.log) > 3
     assert follower.log == leader.log
     assert replayed and replayed[0] >= len(leader.log)
 
@@ -223,7 +216,7 @@ def test_two_processes_decode_the_same_tokens_as_one(tmp_path):
         assert got["processes"] == [0, 1], "the mesh must span both processes"
         assert got["tokens"] == reference, mesh_text
     # data=1,tensor=8: 8 KV heads split one per device, 4 of them on this process
-    assert results["data=1,tensor=8"]["cache_spec"] == ["None", "data", "tensor", "None", "None"]
+    assert results["data=1,tensor=8"]["cache_spec"] == ["None", "tensor", "None", "None", "None"]
     assert results["data=1,tensor=8"]["cache_local_shards"] == 4
 
 

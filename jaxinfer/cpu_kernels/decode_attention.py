@@ -1,10 +1,11 @@
-"""Decode attention over the whole KV cache on x86 CPUs with AVX-512: a C++ XLA FFI kernel
+"""Decode attention over the paged KV cache on x86 CPUs with AVX-512: a C++ XLA FFI kernel
 (decode_attention.cc) and its plain-JAX reference.
 
-Each (slot, KV head) reads its keys and values straight from the cache buffer (float32, or bfloat16
-held as uint16 bit patterns, kv_cache.py), once for all the query heads sharing them and only up to the
-slot's length, where XLA copies every layer's slice out of the cache and runs small YNNPACK dots
-(kernel_dispatch.attention_xla). Lengths are data, not shapes: no attend-length buckets.
+The pages: k_pages, v_pages [layers, kv_heads, num_pages, page_size, head_dim] (float32, or bfloat16 held
+as uint16 bit patterns, kv_cache.py); key position t of row r sits at page page_table[r, t // page_size],
+offset t % page_size. Each (row, KV head) reads its keys and values straight from the pages, once for all
+the query heads sharing them and only up to the row's length, where XLA gathers every layer's pages out
+of the pool and runs small YNNPACK dots. Lengths are data, not shapes: no attend-length buckets.
 """
 
 from __future__ import annotations
@@ -36,35 +37,72 @@ def supports(cache_storage_dtype, head_dim: int) -> bool:
     return jnp.dtype(cache_storage_dtype).name in TARGETS and head_dim % LANES == 0
 
 
+def _check_shapes(q, k_pages, v_pages, page_table, lengths, layer: int) -> None:
+    if q.ndim != 3 or k_pages.ndim != 5 or k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
+        raise ValueError(
+            "decode attention wants q [rows, heads, d] and k_pages, v_pages of one shape and dtype "
+            f"[layers, kv_heads, pages, page_size, d]; got q {q.shape}, k_pages {k_pages.shape} "
+            f"{k_pages.dtype}, v_pages {v_pages.shape} {v_pages.dtype}"
+        )
+    rows, heads, d = q.shape
+    layers, kv_heads, pages, page_size, page_d = k_pages.shape
+    if page_d != d or kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"q {q.shape} does not fit pages {k_pages.shape}: "
+            "head_dim differs or kv_heads does not divide heads"
+        )
+    if page_table.ndim != 2 or page_table.shape[0] != rows or lengths.shape != (rows,):
+        raise ValueError(
+            f"want page_table [rows, pages_per_row] and lengths [rows] for the {rows} rows of q; got "
+            f"page_table {page_table.shape}, lengths {lengths.shape}"
+        )
+    if pages < 1 or page_size < 1 or not 0 <= layer < layers:
+        raise ValueError(
+            f"want pages >= 1, page_size >= 1 and 0 <= layer < {layers}; got {k_pages.shape}, {layer=}"
+        )
+
+
 def decode_attention_cpu(
-    q: jax.Array,  # [rows, heads, d] float32: the new query of each of the first `rows` cache slots
-    k_cache: jax.Array,  # [layers, slots, kv_heads, positions, d]: float32 or uint16 bfloat16 bits
-    v_cache: jax.Array,
-    lengths: jax.Array,  # [rows] int32: keys per slot incl. the new one; 0 for an inactive slot
+    q: jax.Array,  # [rows, heads, d] float32: the new query of each row, at position lengths - 1
+    k_pages: jax.Array,  # [layers, kv_heads, pages, page_size, d]: float32 or uint16 bfloat16 bits
+    v_pages: jax.Array,
+    page_table: jax.Array,  # [rows, pages_per_row] int32: the page of each page_size positions of a row
+    lengths: jax.Array,  # [rows] int32: keys per row incl. the new one; 0 for an inactive row
     *,
     layer: int,
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
 ) -> jax.Array:
-    """-> [rows, heads, d] float32; zeros for slots of length 0. Needs decode_attention_available()."""
+    """-> [rows, heads, d] float32; zeros for rows of length 0. Reads no page-table entry past a row's
+    length, and no page slot past its last key; page ids are clamped into the pool. Lengths past
+    pages_per_row * page_size are clamped to it. Needs decode_attention_available() and
+    supports(k_pages.dtype, d)."""
     if not decode_attention_available():  # also registers the kernel, once per process
         raise RuntimeError(
             "the CPU decode-attention kernel needs an x86-64 CPU with AVX-512F and a C++ compiler"
         )
+    _check_shapes(q, k_pages, v_pages, page_table, lengths, layer)
+    if not supports(k_pages.dtype, q.shape[-1]):
+        raise ValueError(
+            f"the CPU decode-attention kernel reads float32 or uint16 (bfloat16 bits) pages with head_dim a "
+            f"multiple of {LANES}; got {k_pages.dtype}, head_dim {q.shape[-1]}"
+        )
     call = jax.ffi.ffi_call(
-        TARGETS[jnp.dtype(k_cache.dtype).name], jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        TARGETS[jnp.dtype(k_pages.dtype).name], jax.ShapeDtypeStruct(q.shape, jnp.float32)
     )
     return call(
-        q.astype(jnp.float32), k_cache, v_cache, lengths.astype(jnp.int32), layer=np.int64(layer),
-        window=np.int64(sliding_window or 0), scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
+        q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
+        layer=np.int64(layer), window=np.int64(sliding_window or 0), scale=np.float32(scale),
+        softcap=np.float32(softcap or 0.0),
     )  # fmt: skip
 
 
 def decode_attention_cpu_reference(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_table: jax.Array,
     lengths: jax.Array,
     *,
     layer: int,
@@ -72,26 +110,32 @@ def decode_attention_cpu_reference(
     sliding_window: int | None,
     softcap: float | None,
 ) -> jax.Array:
-    """The kernel's result in plain JAX (float32 throughout)."""
+    """The kernel's result in plain JAX (float32 throughout): gathers each row's pages into contiguous
+    keys and values and masks everything past its length (garbage there, even NaN, does not leak)."""
+    _check_shapes(q, k_pages, v_pages, page_table, lengths, layer)
+    rows, heads, d = q.shape
+    kv_heads, pages, page_size = k_pages.shape[1:4]
+    positions = page_table.shape[1] * page_size
+    table = jnp.clip(page_table.astype(jnp.int32), 0, pages - 1)
+    pos = jnp.arange(positions)[None, :]
+    lengths = jnp.minimum(lengths.astype(jnp.int32), positions)
+    visible = pos < lengths[:, None]  # [rows, positions]
+    if sliding_window:
+        visible &= pos >= lengths[:, None] - sliding_window
 
-    def widen(cache: jax.Array) -> jax.Array:
-        x = cache[layer]
+    def gather(pool: jax.Array) -> jax.Array:  # -> [rows, kv, positions, d], zeros where not visible
+        x = pool[layer][:, table]  # [kv, rows, pages_per_row, page_size, d]
         if x.dtype == jnp.uint16:
             x = jax.lax.bitcast_convert_type(x, jnp.bfloat16)
-        return x.astype(jnp.float32)  # [slots, kv, s, d]
+        x = x.astype(jnp.float32).reshape(kv_heads, rows, positions, d).transpose(1, 0, 2, 3)
+        return jnp.where(visible[:, None, :, None], x, 0.0)
 
-    slots, heads, d = q.shape
-    keys, values = widen(k_cache)[:slots], widen(v_cache)[:slots]
-    kv_heads, positions = keys.shape[1], keys.shape[2]
-    qg = q.astype(jnp.float32).reshape(slots, kv_heads, heads // kv_heads, d)
+    keys, values = gather(k_pages), gather(v_pages)
+    qg = q.astype(jnp.float32).reshape(rows, kv_heads, heads // kv_heads, d)
     scores = jnp.einsum("bkgd,bksd->bkgs", qg, keys) * scale
     if softcap:
         scores = softcap * jnp.tanh(scores / softcap)
-    pos = jnp.arange(positions)[None, :]
-    visible = pos < lengths[:, None]
-    if sliding_window:
-        visible &= pos >= lengths[:, None] - sliding_window
     scores = jnp.where(visible[:, None, None, :], scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgs,bksd->bkgd", weights, values).reshape(slots, heads, d)
+    out = jnp.einsum("bkgs,bksd->bkgd", weights, values).reshape(rows, heads, d)
     return jnp.where((lengths > 0)[:, None, None], out, 0.0)

@@ -5,8 +5,17 @@ One run:
      from fixed / uniform / normal distributions) or from a ShareGPT-style file (the first human turn
      is the prompt, the length of the gpt reply that follows is the output length). Prompts are sent
      as `prompt_token_ids` and with `ignore_eos` (the default), so both lengths are exact.
+     `shared_prefix_len` N (synthetic): every prompt is one shared random document of N tokens (the
+     same for every measured request, drawn from the seed; the warm-up requests get another one, so
+     the measured run starts with the document uncached) followed by its own question of `input_len`
+     tokens; the questions start with distinct tokens, so two prompts share exactly the document.
+     `multi_turn` K: each of the `num_prompts` requests opens a conversation of K turns sent one after
+     the other; turn i+1's prompt is turn i's prompt + the tokens the server returned for it + a new
+     user message of `turn_input_len` random tokens (turns that would not fit the context are
+     dropped). A failed turn ends its conversation.
   2. A dispatcher thread sends them with Poisson arrivals at `request_rate` (inf: all at once),
      waiting first for a free place when `max_concurrency` is set (a closed loop at that concurrency).
+     With `multi_turn`, conversations arrive and hold the places (one request in flight each).
      A few warm-up requests go first and are not counted.
   3. Each request's stream is timed on the client: TTFT (send to first token), TPOT (the mean gap
      after the first token: (e2e - ttft) / (tokens - 1)), inter-token latency (each gap between
@@ -14,9 +23,12 @@ One run:
   4. The summary counts completed (finish "stop" or "length") and failed requests (an RPC error or
      any other finish; completed + failed = sent), the throughputs over the run's duration (first
      send to last response), and mean / p50 / p90 / p95 / p99 / max of each latency; with SLOs,
-     goodput is the rate of completed requests that met every SLO.
+     goodput is the rate of completed requests that met every SLO. With `multi_turn`, TTFT is also
+     given per turn, and for the first turn against the later ones.
 Several rates (`sweep_rates`) give one run each; the result file holds them all, and `--plot` draws
-latency CDFs and, for a sweep, throughput and p99 latencies against the offered rate.
+latency CDFs and, for a sweep, throughput and p99 latencies against the offered rate. Every rate sends
+the same requests, so with a shared prefix or a multi-turn run, later rates may find the server's prefix
+cache warm from earlier ones: compare prefix caching with one rate.
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import numpy as np
 __all__ = [
     "BenchConfig",
     "BenchRequest",
+    "Conversation",
     "LengthDistribution",
     "RequestResult",
     "add_bench_serving_args",
@@ -47,7 +60,11 @@ __all__ = [
     "main_from_args",
     "plot_results",
     "run_benchmark",
+    "multi_turn_conversations",
+    "next_turn_prompt",
+    "run_conversations",
     "run_load",
+    "shared_prefix_requests",
     "sharegpt_requests",
     "summarize",
     "synthetic_requests",
@@ -136,6 +153,101 @@ def synthetic_requests(
     ]
 
 
+def shared_prefix_requests(
+    num_requests: int,
+    shared_prefix_len: int,
+    question_len: LengthDistribution,
+    output_len: LengthDistribution,
+    *,
+    vocab_size: int,
+    context_length: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Prompts = one random document of shared_prefix_len tokens (the same in every request, drawn from
+    `seed`) + a random question per request. Questions start with distinct tokens (while num_requests <=
+    vocab_size), so any two prompts have exactly the document in common. Question and output lengths are
+    clipped so each request fits the context."""
+    if num_requests <= 0 or vocab_size <= 0:
+        raise ValueError(f"{num_requests=} and {vocab_size=} must be > 0")
+    if not 1 <= shared_prefix_len <= context_length - 2:
+        raise ValueError(
+            f"{shared_prefix_len=} must be in [1, context_length - 2] (context_length={context_length}): "
+            "a question and an output token must fit after it"
+        )
+    rng = np.random.default_rng(seed)
+    document = [int(t) for t in rng.integers(0, vocab_size, size=shared_prefix_len)]
+    room = context_length - shared_prefix_len
+    questions = np.minimum(question_len.sample(rng, num_requests), room - 1)
+    outputs = np.minimum(output_len.sample(rng, num_requests), room - questions)
+    if num_requests <= vocab_size:
+        firsts = rng.permutation(vocab_size)[:num_requests]
+    else:
+        firsts = rng.integers(0, vocab_size, size=num_requests)
+    requests = []
+    for first, n_question, n_out in zip(firsts, questions, outputs):
+        rest = rng.integers(0, vocab_size, size=int(n_question) - 1)
+        question = [int(first), *(int(t) for t in rest)]
+        requests.append(BenchRequest(tuple(document + question), int(n_out)))
+    return requests
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversation:
+    """A multi-turn conversation: `first` is turn 1; each follow-up holds the new user message of a later
+    turn (its prompt_token_ids) and that turn's max_tokens. Turn i+1 is sent with next_turn_prompt(turn
+    i's prompt, turn i's output token ids, follow-up message)."""
+
+    first: BenchRequest
+    follow_ups: tuple[BenchRequest, ...] = ()
+
+    @property
+    def num_turns(self) -> int:
+        return 1 + len(self.follow_ups)
+
+
+def next_turn_prompt(
+    prompt_token_ids: Sequence[int], output_token_ids: Sequence[int], message_token_ids: Sequence[int]
+) -> tuple[int, ...]:
+    """The next turn's prompt: the whole previous turn (prompt and reply) and the new user message."""
+    return (*prompt_token_ids, *output_token_ids, *message_token_ids)
+
+
+def multi_turn_conversations(
+    first_turns: Sequence[BenchRequest],
+    num_turns: int,
+    message_len: LengthDistribution,
+    output_len: LengthDistribution,
+    *,
+    vocab_size: int,
+    context_length: int,
+    seed: int = 0,
+) -> list[Conversation]:
+    """One conversation per first turn, with num_turns - 1 follow-ups of random message tokens.
+
+    The plan assumes every reply is max_tokens long (it is with ignore_eos): a message or output length
+    that would overflow the context is clipped, and a turn with no room left (and the ones after) dropped.
+    """
+    if num_turns < 1 or vocab_size <= 0:
+        raise ValueError(f"{num_turns=} must be >= 1 and {vocab_size=} > 0")
+    rng = np.random.default_rng([seed, 1])  # a stream of its own, apart from the first turns'
+    conversations = []
+    for first in first_turns:
+        length = len(first.prompt_token_ids) + first.max_tokens
+        follow_ups = []
+        messages = message_len.sample(rng, num_turns - 1)
+        outputs = output_len.sample(rng, num_turns - 1)
+        for n_message, n_out in zip(messages, outputs):
+            n_message = min(int(n_message), context_length - length - 1)
+            if n_message < 1:
+                break
+            n_out = min(int(n_out), context_length - length - n_message)
+            tokens = tuple(int(t) for t in rng.integers(0, vocab_size, size=n_message))
+            follow_ups.append(BenchRequest(tokens, n_out))
+            length += n_message + n_out
+        conversations.append(Conversation(first, tuple(follow_ups)))
+    return conversations
+
+
 def _load_conversations(path: str | os.PathLike[str]) -> list:
     text = Path(path).read_text(encoding="utf-8")
     try:
@@ -208,6 +320,8 @@ class RequestResult:
     itl_s: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None  # gRPC status code name, or the finish reason of a failed stream
+    conversation: int | None = None  # multi-turn runs: the conversation's index and this turn (from 1)
+    turn: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -220,17 +334,22 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
-def _send(client, request: BenchRequest, *, sampling: dict, ignore_eos: bool, timeout_s, t0: float):
+def _send(
+    client, prompt_token_ids: Sequence[int], max_tokens: int, *, sampling: dict, ignore_eos: bool, timeout_s,
+    t0: float,
+) -> tuple[RequestResult, list[int]]:  # fmt: skip
+    """One streamed request: its timings, and the output token ids the server sent."""
     import grpc
 
-    result = RequestResult(prompt_tokens=len(request.prompt_token_ids))
+    result = RequestResult(prompt_tokens=len(prompt_token_ids))
+    output_ids: list[int] = []
     start = time.perf_counter()
     result.send_s = start - t0
     last = None
     try:
         stream = client.generate(
-            list(request.prompt_token_ids), max_tokens=request.max_tokens, ignore_eos=ignore_eos,
-            timeout_s=timeout_s, **sampling,
+            list(prompt_token_ids), max_tokens=max_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
+            **sampling,
         )  # fmt: skip
         for chunk in stream:
             now = time.perf_counter()
@@ -242,6 +361,7 @@ def _send(client, request: BenchRequest, *, sampling: dict, ignore_eos: bool, ti
                     result.itl_s.extend([(now - last) / n] * n)
                 last = now
                 result.output_tokens += n
+                output_ids.extend(chunk.token_ids)
             if chunk.finish_reason is not None:
                 result.finish_reason = chunk.finish_reason
         result.e2e_s = time.perf_counter() - start
@@ -250,7 +370,61 @@ def _send(client, request: BenchRequest, *, sampling: dict, ignore_eos: bool, ti
     except grpc.RpcError as e:
         result.error = e.code().name
         result.e2e_s = time.perf_counter() - start
-    return result
+    return result, output_ids
+
+
+def _dispatch(
+    jobs: Sequence,
+    run_job: Callable[[int, object, float], list[RequestResult]],
+    *,
+    request_rate: float,
+    max_concurrency: int | None,
+    seed: int,
+    duration_s: float | None,
+) -> tuple[list[RequestResult], float]:
+    """Starts run_job(index, job, t0) for each job with Poisson arrivals at request_rate, at most
+    max_concurrency at once; returns (every job's results, in job order, seconds from the first send to
+    the last response). duration_s stops starting new jobs after that long."""
+    if not request_rate > 0:
+        raise ValueError(f"{request_rate=} must be > 0 (inf: all at once)")
+    if max_concurrency is not None and max_concurrency <= 0:
+        raise ValueError(f"{max_concurrency=} must be > 0")
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / request_rate, size=len(jobs)) if math.isfinite(request_rate) else None
+    places = threading.Semaphore(max_concurrency) if max_concurrency else None
+    # Every job in flight holds a thread for its streams.
+    pool = futures.ThreadPoolExecutor(max_workers=max_concurrency or max(1, min(len(jobs), 1024)))
+    submitted: list[futures.Future] = []
+
+    def work(index: int, job, t0: float) -> list[RequestResult]:
+        try:
+            return run_job(index, job, t0)
+        finally:
+            if places is not None:
+                places.release()
+
+    t0 = time.perf_counter()
+    arrival = 0.0
+    try:
+        for i, job in enumerate(jobs):
+            if gaps is not None:
+                arrival += gaps[i]
+                delay = t0 + arrival - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+            if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+                break
+            if places is not None:
+                places.acquire()
+            submitted.append(pool.submit(work, i, job, t0))
+        results = [r for f in submitted for r in f.result()]
+    finally:
+        pool.shutdown(wait=True)
+    if not results:
+        return [], 0.0
+    first = min(r.send_s for r in results)
+    end = max(r.send_s + (r.e2e_s or 0.0) for r in results)
+    return results, end - first
 
 
 def run_load(
@@ -267,49 +441,58 @@ def run_load(
 ) -> tuple[list[RequestResult], float]:
     """Sends `requests` through `client` (an InferenceClient); returns (results of the sent ones, seconds
     from the first send to the last response). duration_s stops sending new requests after that long."""
-    if not request_rate > 0:
-        raise ValueError(f"{request_rate=} must be > 0 (inf: all at once)")
-    if max_concurrency is not None and max_concurrency <= 0:
-        raise ValueError(f"{max_concurrency=} must be > 0")
-    sampling = sampling or {}
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / request_rate, size=len(requests)) if math.isfinite(request_rate) else None
-    places = threading.Semaphore(max_concurrency) if max_concurrency else None
-    # Every request in flight holds a thread for its stream.
-    pool = futures.ThreadPoolExecutor(max_workers=max_concurrency or max(1, min(len(requests), 1024)))
-    submitted: list[futures.Future] = []
+    options = dict(sampling=sampling or {}, ignore_eos=ignore_eos, timeout_s=timeout_s)
 
-    def work(request: BenchRequest, t0: float) -> RequestResult:
-        try:
-            return _send(
-                client, request, sampling=sampling, ignore_eos=ignore_eos, timeout_s=timeout_s, t0=t0
-            )
-        finally:
-            if places is not None:
-                places.release()
+    def one(index: int, request: BenchRequest, t0: float) -> list[RequestResult]:
+        return [_send(client, request.prompt_token_ids, request.max_tokens, t0=t0, **options)[0]]
 
-    t0 = time.perf_counter()
-    arrival = 0.0
-    try:
-        for i, request in enumerate(requests):
-            if gaps is not None:
-                arrival += gaps[i]
-                delay = t0 + arrival - time.perf_counter()
-                if delay > 0:
-                    time.sleep(delay)
-            if duration_s is not None and time.perf_counter() - t0 >= duration_s:
+    return _dispatch(
+        requests, one, request_rate=request_rate, max_concurrency=max_concurrency, seed=seed,
+        duration_s=duration_s,
+    )  # fmt: skip
+
+
+def run_conversations(
+    client,
+    conversations: Sequence[Conversation],
+    *,
+    request_rate: float = math.inf,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    sampling: dict | None = None,
+    ignore_eos: bool = True,
+    timeout_s: float | None = None,
+    duration_s: float | None = None,
+    on_turn: Callable[[int, int, tuple[int, ...], list[int]], None] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Like run_load, for conversations: each arrives (Poisson at request_rate) and holds one place of
+    max_concurrency while it sends its turns one after the other (see Conversation). Results carry their
+    conversation index and turn; a failed turn ends its conversation. on_turn(conversation, turn,
+    prompt_token_ids, output_token_ids) is called after each turn (for tests and logs)."""
+    options = dict(sampling=sampling or {}, ignore_eos=ignore_eos, timeout_s=timeout_s)
+
+    def converse(index: int, conversation: Conversation, t0: float) -> list[RequestResult]:
+        results = []
+        prompt, max_tokens = conversation.first.prompt_token_ids, conversation.first.max_tokens
+        output_ids: list[int] = []
+        for turn in range(1, conversation.num_turns + 1):
+            if turn > 1:
+                follow_up = conversation.follow_ups[turn - 2]
+                prompt = next_turn_prompt(prompt, output_ids, follow_up.prompt_token_ids)
+                max_tokens = follow_up.max_tokens
+            result, output_ids = _send(client, prompt, max_tokens, t0=t0, **options)
+            result.conversation, result.turn = index, turn
+            results.append(result)
+            if on_turn is not None:
+                on_turn(index, turn, tuple(prompt), output_ids)
+            if not result.ok:
                 break
-            if places is not None:
-                places.acquire()
-            submitted.append(pool.submit(work, request, t0))
-        results = [f.result() for f in submitted]
-    finally:
-        pool.shutdown(wait=True)
-    if not results:
-        return [], 0.0
-    first = min(r.send_s for r in results)
-    end = max(r.send_s + (r.e2e_s or 0.0) for r in results)
-    return results, end - first
+        return results
+
+    return _dispatch(
+        conversations, converse, request_rate=request_rate, max_concurrency=max_concurrency, seed=seed,
+        duration_s=duration_s,
+    )  # fmt: skip
 
 
 # ---- statistics ----------------------------------------------------------------------------------------
@@ -353,6 +536,17 @@ def summarize(
         "e2e_ms": _stats_ms([r.e2e_s for r in done]),
         "goodput": None,
     }
+    turns = sorted({r.turn for r in results if r.turn is not None})
+    if turns:  # a multi-turn run
+
+        def ttft(keep: Callable[[int], bool]) -> dict[str, float | None]:
+            return _stats_ms([r.ttft_s for r in done if r.ttft_s is not None and keep(r.turn)])
+
+        summary["conversations"] = len({r.conversation for r in results})
+        summary["ttft_ms_first_turn"] = ttft(lambda t: t == 1)
+        summary["ttft_ms_later_turns"] = ttft(lambda t: t > 1)
+        summary["ttft_ms_by_turn"] = {str(n): ttft(lambda t, n=n: t == n) for n in turns}
+        summary["completed_by_turn"] = {str(n): sum(r.turn == n for r in done) for n in turns}
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
 
         def good(r: RequestResult) -> bool:
@@ -382,6 +576,9 @@ class BenchConfig:
     input_len: LengthDistribution = LengthDistribution("fixed", 128)
     output_len: LengthDistribution = LengthDistribution("fixed", 64)
     max_output_len: int | None = None  # ShareGPT cap
+    shared_prefix_len: int = 0  # synthetic: one shared document of this many tokens before each question
+    multi_turn: int = 1  # turns per conversation (num_prompts conversations)
+    turn_input_len: LengthDistribution = LengthDistribution("fixed", 32)  # later turns' user messages
     request_rates: tuple[float, ...] = (math.inf,)
     max_concurrency: int | None = None
     duration_s: float | None = None  # per rate: stop sending after this long
@@ -403,10 +600,15 @@ class BenchConfig:
             raise ValueError(f"{self.num_prompts=} must be > 0 and {self.warmup_requests=} >= 0")
         if not self.request_rates or any(not r > 0 for r in self.request_rates):
             raise ValueError(f"request_rates={self.request_rates} must be non-empty and > 0")
+        if self.shared_prefix_len < 0 or self.multi_turn < 1:
+            raise ValueError(f"{self.shared_prefix_len=} must be >= 0 and {self.multi_turn=} >= 1")
+        if self.shared_prefix_len and self.dataset != "synthetic":
+            raise ValueError("shared_prefix_len needs the synthetic dataset")
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["input_len"], d["output_len"] = str(self.input_len), str(self.output_len)
+        d["turn_input_len"] = str(self.turn_input_len)
         d["request_rates"] = [_rate_json(r) for r in self.request_rates]
         return d
 
@@ -436,11 +638,23 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] | None = No
     client, info = _connect(config)
     try:
         context = int(info.get("context_length") or 0)
+        vocab_size = int(info["vocab_size"])
         total = config.num_prompts + config.warmup_requests
-        if config.dataset == "synthetic":
+        if config.shared_prefix_len:
+            shared = dict(vocab_size=vocab_size, context_length=context)
+            # The warm-up requests share a document of their own: the measured run starts uncached.
+            requests = shared_prefix_requests(
+                config.warmup_requests, config.shared_prefix_len, config.input_len, config.output_len,
+                seed=config.seed + 1, **shared,
+            ) if config.warmup_requests else []  # fmt: skip
+            requests += shared_prefix_requests(
+                config.num_prompts, config.shared_prefix_len, config.input_len, config.output_len,
+                seed=config.seed, **shared,
+            )  # fmt: skip
+        elif config.dataset == "synthetic":
             requests = synthetic_requests(
                 total, config.input_len, config.output_len,
-                vocab_size=int(info["vocab_size"]), context_length=context, seed=config.seed,
+                vocab_size=vocab_size, context_length=context, seed=config.seed,
             )  # fmt: skip
         else:
             requests = sharegpt_requests(
@@ -451,6 +665,12 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] | None = No
         warmup, measured = requests[: config.warmup_requests], requests[config.warmup_requests :]
         if not measured:
             raise ValueError(f"the dataset gave {len(requests)} requests, all used for warm-up")
+        conversations = None
+        if config.multi_turn > 1:
+            conversations = multi_turn_conversations(
+                measured, config.multi_turn, config.turn_input_len, config.output_len,
+                vocab_size=vocab_size, context_length=context, seed=config.seed,
+            )  # fmt: skip
         load = dict(
             max_concurrency=config.max_concurrency, sampling={"temperature": config.temperature},
             ignore_eos=config.ignore_eos, timeout_s=config.timeout_s,
@@ -460,10 +680,14 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] | None = No
             run_load(client, warmup, seed=config.seed, **load)
         runs = []
         for rate in config.request_rates:
-            log(f"rate {_rate_json(rate)} req/s: {len(measured)} requests")
-            results, duration = run_load(
-                client, measured, request_rate=rate, seed=config.seed, duration_s=config.duration_s, **load
-            )
+            timing = dict(request_rate=rate, seed=config.seed, duration_s=config.duration_s)
+            if conversations is None:
+                log(f"rate {_rate_json(rate)} req/s: {len(measured)} requests")
+                results, duration = run_load(client, measured, **timing, **load)
+            else:
+                turns = sum(c.num_turns for c in conversations)
+                log(f"rate {_rate_json(rate)} conv/s: {len(conversations)} conversations, {turns} turns")
+                results, duration = run_conversations(client, conversations, **timing, **load)
             summary = summarize(
                 results, duration, slo_ttft_ms=config.slo_ttft_ms, slo_tpot_ms=config.slo_tpot_ms
             )
@@ -502,6 +726,22 @@ def format_table(result: dict) -> str:
             f"| {run['request_throughput']:.2f} | {run['output_throughput']:.1f} | {pair(run['ttft_ms'])} "
             f"| {pair(run['tpot_ms'])} | {pair(run['itl_ms'])} | {pair(run['e2e_ms'])} |"
         )
+    turn_runs = [run for run in result["runs"] if "ttft_ms_by_turn" in run]
+    if turn_runs:
+        head = (
+            "| rate (conv/s) | conversations | TTFT p50 / p99 turn 1 (ms) | TTFT p50 / p99 later turns (ms) "
+            "| TTFT p50 by turn (ms) |"
+        )
+        rows += ["", head, "|" + "---|" * (head.count("|") - 1)]
+        for run in turn_runs:
+            by_turn = ", ".join(
+                f"{turn}: " + ("-" if stats["p50"] is None else f"{stats['p50']:.0f}")
+                for turn, stats in run["ttft_ms_by_turn"].items()
+            )
+            rows.append(
+                f"| {run['request_rate']} | {run['conversations']} | {pair(run['ttft_ms_first_turn'])} "
+                f"| {pair(run['ttft_ms_later_turns'])} | {by_turn} |"
+            )
     return "\n".join(rows)
 
 
@@ -572,6 +812,17 @@ def add_bench_serving_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="fixed:128", help="e.g. 128, uniform:32,256, normal:128,32")
     p.add_argument("--output-len", default="fixed:64", help="like --input-len")
     p.add_argument("--max-output-len", type=int, default=None, help="cap on ShareGPT output lengths")
+    p.add_argument(
+        "--shared-prefix-len", type=int, default=0,
+        help="synthetic: every prompt starts with one shared random document of N tokens, then its own "
+        "question of --input-len tokens (prefix-caching load)",
+    )  # fmt: skip
+    p.add_argument(
+        "--multi-turn", type=int, default=1,
+        help="K turns per conversation (--num-prompts conversations): turn i+1's prompt is turn i's prompt, "
+        "its output tokens and a new user message of --turn-input-len tokens; TTFT is reported per turn",
+    )  # fmt: skip
+    p.add_argument("--turn-input-len", default="fixed:32", help="--multi-turn: later turns' message lengths")
     p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals/s (inf: at once)")
     p.add_argument("--sweep-rates", default=None, help="comma-separated rates, one run each, e.g. 0.5,1,2")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
@@ -598,6 +849,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         target=args.target, dataset=args.dataset, dataset_path=args.dataset_path,
         num_prompts=args.num_prompts, input_len=LengthDistribution.parse(args.input_len),
         output_len=LengthDistribution.parse(args.output_len), max_output_len=args.max_output_len,
+        shared_prefix_len=args.shared_prefix_len, multi_turn=args.multi_turn,
+        turn_input_len=LengthDistribution.parse(args.turn_input_len),
         request_rates=rates, max_concurrency=args.max_concurrency, duration_s=args.duration,
         warmup_requests=args.warmup_requests, ignore_eos=args.ignore_eos, temperature=args.temperature,
         seed=args.seed, timeout_s=args.timeout, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,

@@ -265,6 +265,10 @@ class Orchestrator:
         return self._scheduler.max_queue
 
     @property
+    def enable_prefix_caching(self) -> bool:
+        return self._scheduler.pool.enable_prefix_caching
+
+    @property
     def failure(self) -> BaseException | None:
         return self._failure
 

@@ -104,12 +104,20 @@ class PagePool:
         return pages
 
     def cache(self, page: int, key: PageHash) -> None:
-        """Marks a held, full page as holding the content `key` names. A key already cached on another
-        page keeps that page (two requests computed the same prefix at once); this one stays plain."""
-        if not self.enable_prefix_caching or key in self._page_of or page in self._hash_of:
+        """Marks a held, full page as holding the content `key` names. If another page already holds
+        that key: while it is held it stays the cached copy and this page stays plain (two requests
+        computed the same prefix at once); once it is free, this page, the more recently used, takes
+        the key and the old copy becomes blank, so a live copy is never lost to the old one's eviction."""
+        if not self.enable_prefix_caching or page in self._hash_of:
             return
         if self._refs[page] < 1:
             raise ValueError(f"page {page} is not held")
+        other = self._page_of.get(key)
+        if other is not None:
+            if self._refs[other] > 0:
+                return
+            del self._cached_free[other], self._hash_of[other]
+            self._blank.append(other)
         self._page_of[key] = page
         self._hash_of[page] = key
 

@@ -255,6 +255,9 @@ def build_server(
     info.setdefault("vocab_size", tokenizer.vocab_size)
     info.setdefault("num_slots", orchestrator.engine.num_slots)
     info.setdefault("context_length", orchestrator.engine.max_seq_len)
+    info.setdefault("page_size", orchestrator.engine.page_size)
+    info.setdefault("num_kv_pages", orchestrator.engine.num_pages - 1)  # less the null page
+    info.setdefault("prefix_caching", orchestrator.enable_prefix_caching)
     info_proto = model_info_proto(info)
     if max_workers is None:
         max_workers = orchestrator.engine.num_slots + orchestrator.max_queue + 16

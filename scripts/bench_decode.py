@@ -2,12 +2,14 @@
 
     .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m]
         [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|none]
-        [--kv-cache-dtype float32|bfloat16|int8] [--repeats 3] [--llama-bench /path/to/llama-bench]
+        [--kv-cache-dtype float32|bfloat16|int8] [--page-size N] [--repeats 3]
+        [--llama-bench /path/to/llama-bench]
 
 Prints tokens/s for prefill (one prompt of --prefill-len tokens) and decode (each batch size, aggregate,
 every stream after a --prompt-len prompt, the median of --repeats runs), the ratio to transformers
 (float32, CPU, KV cache on), and the fraction of the memory-bandwidth roofline decode reaches: every step
 must read all weights once plus the KV cache it attends over, and the bandwidth is measured in this run.
+Each stream reads its KV cache through a page table of --page-size pages (default: the backend's).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import CacheConfig
-from jaxinfer.engine import PrefillChunk
+from jaxinfer.cpu_kernels.native_build import cpu_description
+from jaxinfer.engine import DecodeBatch, PrefillChunk
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS
+from jaxinfer.kv_cache import contiguous_page_table
 from jaxinfer.request import SamplingParams
 from jaxinfer.runtime import RuntimeOptions, build_runtime
 
@@ -71,25 +75,36 @@ def bench_ours(
     cache_dtype: str | None = None,
     repeats: int = 3,
     measure_prefill: bool = True,
+    page_size: int | None = None,
 ) -> dict:
-    """One batch size on an engine with exactly that many slots (a decode step computes every slot):
+    """One batch size on an engine with exactly that many slots (a decode step computes every slot),
+    each slot owning whole-context pages in order:
     {"path", "decode": aggregate tok/s, "step_bytes": bytes a step reads, "prefill": tok/s if measured}."""
     longest = max(len(prompt) + steps, len(prefill_prompt))
     max_len = 1 << (longest - 1).bit_length()  # a power of two that holds the requests
     runtime = build_runtime(
-        RuntimeOptions(model=name, num_slots=1, max_len=max_len, quantize=quantize, cache_dtype=cache_dtype)
-    )
+        RuntimeOptions(
+            model=name, num_slots=1, max_len=max_len, quantize=quantize, cache_dtype=cache_dtype,
+            page_size=page_size, kv_pages=1,
+        )
+    )  # fmt: skip
     params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     result: dict = {"path": str(runtime.model.path)}
     cache_dtype = runtime.engine.cache_config.dtype  # given, or the CLI's default for this backend
-    engine = JaxEngine(
-        params, config, CacheConfig(num_slots=batch, max_len=max_len, dtype=cache_dtype),
-        mesh=runtime.engine.mesh, kernels=runtime.engine.kernels,
+    page_size = runtime.engine.page_size
+    pages_per_slot = -(-max_len // page_size)
+    cache = CacheConfig(
+        num_pages=batch * pages_per_slot + 1, page_size=page_size, max_len=max_len, num_slots=batch,
+        dtype=cache_dtype,
     )  # fmt: skip
+    engine = JaxEngine(params, config, cache, mesh=runtime.engine.mesh, kernels=runtime.engine.kernels)
+    table = contiguous_page_table(batch, pages_per_slot)
+    result["page_size"] = page_size
 
     def prefill(slot: int, tokens: list[int] = prompt) -> None:
-        engine.prefill([PrefillChunk(slot, tokens, 0, greedy, True, tokens)]).result()
+        chunk = PrefillChunk(slot, tokens, 0, greedy, table[slot].tolist(), True, tokens)
+        engine.prefill([chunk]).result()
 
     if measure_prefill:
         prefill(0, prefill_prompt)  # compile
@@ -106,16 +121,16 @@ def bench_ours(
     for _ in range(repeats):  # the median of a few runs: this shared VM varies 10-30% between runs
         for slot in range(batch):
             prefill(slot)
+        # The host side of a step, as the scheduler does it: positions and the page table each step.
         start = time.perf_counter()
-        pending = engine.decode()
-        for _ in range(steps - 1):
-            following = engine.decode()
+        pending = engine.decode(DecodeBatch(np.full(batch, len(prompt), np.int32), table))
+        for step in range(1, steps):
+            positions = np.full(batch, len(prompt) + step, np.int32)
+            following = engine.decode(DecodeBatch(positions, table))
             pending.result()
             pending = following
         pending.result()
         rates.append(batch * steps / (time.perf_counter() - start))
-        for slot in range(batch):
-            engine.release(slot)
     result["decode"] = statistics.median(rates)
     attend = engine.decode_attend_len(batch, len(prompt) + steps)  # the longest a stream reaches
     kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend
@@ -193,15 +208,17 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="decode runs per batch size (median)")
     parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
     parser.add_argument("--kv-cache-dtype", default=None, help="default: the CLI's (bfloat16 on CPU)")
+    parser.add_argument("--page-size", type=int, default=None, help="default: the CLI's for this backend")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--llama-bench", default=None, help="path to llama.cpp's llama-bench binary")
     args = parser.parse_args()
 
     bandwidth = measure_bandwidth_gbs()
+    print(cpu_description())
     cache = args.kv_cache_dtype or "default"
     print(
         f"backend {jax.default_backend()}, weights {args.quantize}, KV cache {cache}, "
-        f"read bandwidth {bandwidth:.1f} GB/s"
+        f"page size {args.page_size or 'default'}, read bandwidth {bandwidth:.1f} GB/s"
     )
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(100, 5000, size=args.prompt_len)]
@@ -220,6 +237,7 @@ def main() -> None:
                 args.kv_cache_dtype,
                 args.repeats,
                 i == 0,
+                args.page_size,
             )  # fmt: skip
             for i, batch in enumerate(args.batches)
         }

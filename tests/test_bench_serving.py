@@ -10,10 +10,16 @@ import pytest
 
 from jaxinfer.bench_serving import (
     BenchConfig,
+    BenchRequest,
     LengthDistribution,
+    multi_turn_conversations,
+    next_turn_prompt,
     run_benchmark,
+    run_conversations,
     run_load,
+    shared_prefix_requests,
     sharegpt_requests,
+    summarize,
     synthetic_requests,
 )
 from jaxinfer.cli import main
@@ -179,3 +185,117 @@ def test_length_distributions_and_bad_inputs():
             LengthDistribution.parse(spec)
     with pytest.raises(ValueError, match="no jaxinfer server"):
         run_benchmark(BenchConfig(target="127.0.0.1:1", connect_timeout_s=0.3))
+
+
+def _common_prefix_len(a, b) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_shared_prefix_prompts_share_exactly_the_document():
+    fixed = LengthDistribution("fixed", 12)
+    requests = shared_prefix_requests(
+        30, 200, fixed, LengthDistribution("fixed", 5), vocab_size=TOK.vocab_size, context_length=512, seed=3
+    )
+    document = requests[0].prompt_token_ids[:200]
+    assert all(len(r.prompt_token_ids) == 212 and r.max_tokens == 5 for r in requests)
+    assert all(r.prompt_token_ids[:200] == document for r in requests)
+    questions = [r.prompt_token_ids[200:] for r in requests]
+    assert len({q[0] for q in questions}) == 30  # distinct from their first token on
+    for i, a in enumerate(requests):
+        for b in requests[i + 1 :]:
+            assert _common_prefix_len(a.prompt_token_ids, b.prompt_token_ids) == 200
+    # The same seed gives the same prompts; another seed another document.
+    again = shared_prefix_requests(
+        30, 200, fixed, LengthDistribution("fixed", 5), vocab_size=TOK.vocab_size, context_length=512, seed=3
+    )
+    assert again == requests
+    other = shared_prefix_requests(
+        2, 200, fixed, fixed, vocab_size=TOK.vocab_size, context_length=512, seed=4
+    )
+    assert other[0].prompt_token_ids[:200] != document
+    # Question lengths follow their distribution; question and output are clipped to the context.
+    uniform = shared_prefix_requests(
+        50, 10, LengthDistribution("uniform", 3, 9), fixed, vocab_size=TOK.vocab_size, context_length=512
+    )
+    assert {len(r.prompt_token_ids) - 10 for r in uniform} == set(range(3, 10))
+    tight = shared_prefix_requests(
+        4, 20, LengthDistribution("fixed", 30), fixed, vocab_size=TOK.vocab_size, context_length=32
+    )
+    assert all(len(r.prompt_token_ids) == 31 and r.max_tokens == 1 for r in tight)
+    with pytest.raises(ValueError, match="shared_prefix_len"):
+        shared_prefix_requests(2, 31, fixed, fixed, vocab_size=TOK.vocab_size, context_length=32)
+
+
+def test_multi_turn_plan_fits_the_context():
+    firsts = [BenchRequest((1, 2, 3), 4), BenchRequest(tuple(range(20)), 4)]
+    conversations = multi_turn_conversations(
+        firsts, 4, LengthDistribution("fixed", 5), LengthDistribution("fixed", 6),
+        vocab_size=TOK.vocab_size, context_length=40, seed=0,
+    )  # fmt: skip
+    short, long = conversations
+    assert short.num_turns == 4 and [len(f.prompt_token_ids) for f in short.follow_ups] == [5, 5, 5]
+    assert [f.max_tokens for f in short.follow_ups] == [6, 6, 6]  # 3 + 4 + 3 * 11 = 40
+    # 20 + 4, then 5 + 6 (35), then the message clipped to 4 with one output token (40); no room for more.
+    assert [(len(f.prompt_token_ids), f.max_tokens) for f in long.follow_ups] == [(5, 6), (4, 1)]
+    assert next_turn_prompt((1, 2), [3], (4, 5)) == (1, 2, 3, 4, 5)
+
+
+def test_multi_turn_prompts_extend_the_previous_turn(server):
+    firsts = shared_prefix_requests(
+        6, 24, LengthDistribution("fixed", 5), LengthDistribution("fixed", 4),
+        vocab_size=TOK.vocab_size, context_length=128, seed=2,
+    )  # fmt: skip
+    conversations = multi_turn_conversations(
+        firsts, 3, LengthDistribution("fixed", 3), LengthDistribution("fixed", 4),
+        vocab_size=TOK.vocab_size, context_length=128, seed=2,
+    )  # fmt: skip
+    sent = {}  # (conversation, turn) -> (prompt, output)
+
+    def on_turn(conversation, turn, prompt, output):
+        sent[conversation, turn] = (prompt, output)
+
+    with InferenceClient(f"127.0.0.1:{server.port}") as client:
+        results, duration = run_conversations(
+            client, conversations, max_concurrency=3, sampling={"temperature": 0.0}, on_turn=on_turn
+        )
+    assert len(results) == 18 and all(r.ok and r.output_tokens == 4 for r in results)
+    assert sorted((r.conversation, r.turn) for r in results) == sorted(sent)
+    for c, conversation in enumerate(conversations):
+        prompt, output = sent[c, 1]
+        assert prompt == conversation.first.prompt_token_ids and len(output) == 4
+        for turn, follow_up in enumerate(conversation.follow_ups, start=2):
+            previous_prompt, previous_output = sent[c, turn - 1]
+            prompt, output = sent[c, turn]
+            assert prompt == previous_prompt + tuple(previous_output) + follow_up.prompt_token_ids
+            assert len(prompt) == 29 + (turn - 1) * 7
+        # Turns of one conversation run one after the other.
+        spans = sorted((r.send_s, r.send_s + r.e2e_s) for r in results if r.conversation == c)
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(spans, spans[1:]))
+    summary = summarize(results, duration)
+    assert summary["conversations"] == 6 and summary["completed_by_turn"] == {"1": 6, "2": 6, "3": 6}
+    assert set(summary["ttft_ms_by_turn"]) == {"1", "2", "3"}
+    _check_stats(summary["ttft_ms_first_turn"])
+    _check_stats(summary["ttft_ms_later_turns"])
+
+
+def test_cli_shared_prefix_multi_turn_run(capsys, tmp_path, server):
+    hits_before = server.orchestrator.stats()["prefix_cache_hit_tokens"]
+    result_file = tmp_path / "bench.json"
+    argv = [
+        "bench-serving", "--target", f"127.0.0.1:{server.port}", "--result-file", str(result_file),
+        "--num-prompts", "5", "--shared-prefix-len", "32", "--input-len", "6", "--output-len", "3",
+        "--multi-turn", "2", "--turn-input-len", "4", "--warmup-requests", "2", "--max-concurrency", "5",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    out, _ = capsys.readouterr()
+    assert "TTFT p50 / p99 turn 1" in out and "later turns" in out
+    result = json.loads(result_file.read_text())
+    config = result["config"]
+    assert (config["shared_prefix_len"], config["multi_turn"], config["turn_input_len"]) == (32, 2, "fixed:4")
+    [run] = result["runs"]
+    assert run["sent"] == run["completed"] == 10 and run["conversations"] == 5
+    assert set(run["ttft_ms_by_turn"]) == {"1", "2"}
+    by_turn = {t: sorted(r["prompt_tokens"] for r in run["requests"] if r["turn"] == t) for t in (1, 2)}
+    assert by_turn == {1: [38] * 5, 2: [38 + 3 + 4] * 5}
+    # The server found the shared document (and each first turn, for the second) in its prefix cache.
+    assert server.orchestrator.stats()["prefix_cache_hit_tokens"] > hits_before

@@ -310,3 +310,41 @@ def test_fused_projections_give_the_same_logits(quantize):
     want = _full_logits(params, GEMMA, tokens, kernels)
     got = _full_logits(fused, GEMMA, tokens, kernels)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_prefix_caching_and_preemption_change_no_greedy_token(llama_engine):
+    """Through the orchestrator on the real engine: prompts sharing a document, a second turn that
+    starts with the first turn's prompt and answer, and a pool too small for every request at once
+    (preemption) give the tokens of each prompt alone, prefix caching on or off."""
+    from jaxinfer.config import CacheConfig
+    from jaxinfer.orchestrator import Orchestrator
+
+    engine, params = llama_engine
+    tok = IdTokenizer(LLAMA.vocab_size)
+    rng = np.random.default_rng(11)
+    document = [int(t) for t in rng.integers(0, 101, size=37)]
+    prompts = [document + [int(t) for t in rng.integers(0, 101, size=n)] for n in (3, 9, 1, 14)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = [generate(engine, tok, [p], [greedy])[0].token_ids for p in prompts]
+    # 22 usable pages of 8 for 4 requests that each grow to 8: the newest get preempted.
+    small = CacheConfig(num_pages=23, page_size=8, max_len=128, num_slots=4, dtype="float32")
+    small_engine = JaxEngine(params, LLAMA, small, max_prefill_chunk=32)
+    for caching in (True, False):
+        orch = Orchestrator(small_engine, tok, enable_prefix_caching=caching)
+        orch.start()
+        try:
+            handles = [orch.submit(p, greedy) for p in prompts]
+            assert [h.collect()[0] for h in handles] == alone
+            stats = orch.stats()
+            assert stats["num_preemptions"] > 0 and stats["kv_pages_used"] == 0
+            assert (stats["prefix_cache_hit_tokens"] > 0) == caching
+            # A second turn: the first turn's prompt and answer, then a new message.
+            first = orch.submit(prompts[0], greedy).collect()[0]
+            follow_up = prompts[0] + first + [5, 6, 7]
+            hits = orch.stats()["prefix_cache_hit_tokens"]
+            second = orch.submit(follow_up, greedy).collect()[0]
+            assert second == generate(engine, tok, [follow_up], [greedy])[0].token_ids
+            if caching:  # all but the answer's last token were computed: 63 positions, 7 full pages
+                assert orch.stats()["prefix_cache_hit_tokens"] - hits == 56
+        finally:
+            orch.stop()

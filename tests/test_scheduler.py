@@ -319,3 +319,137 @@ def test_host_side_max_tokens_backstop_releases_the_slot():
     # The device still thinks the slot is active; the host stops listing it and frees its pages.
     assert sched.num_free_slots == 1 and sched.pool.num_used == 0
     assert len(plans[-1].decode_owners) <= 1 and engine.num_decode_steps <= 3
+
+
+# ---- pages: prefix caching, admission by memory, preemption ----------------------------------------
+
+
+def _run_all(engine, requests, *, prefix_caching=True, one_by_one=False, pipelined=True):
+    """Submits requests {rid: (prompt, sampling)} (all at once, or each after the previous finished) and
+    drives them; returns (results, scheduler)."""
+    sched = make(engine, max_queue=64, prefix_caching=prefix_caching)
+    results = {}
+    if one_by_one:
+        for rid, (prompt, sampling) in requests.items():
+            sched.add_request(rid, prompt, sampling)
+            results.update(drive(sched, engine, pipelined=pipelined)[0])
+    else:
+        for rid, (prompt, sampling) in requests.items():
+            sched.add_request(rid, prompt, sampling)
+        results = drive(sched, engine, pipelined=pipelined)[0]
+    sched.pool.check()
+    assert sched.pool.num_used == 0 and sched.num_tokens_held() == 0
+    return results, sched
+
+
+def test_prefix_caching_skips_shared_pages_and_changes_no_token():
+    document = [(7 * i + 3) % 32 for i in range(21)]  # 5 full pages of 4, and one token more
+    requests = {
+        f"q{i}": (document + [i, (i + 5) % 32, 9], SamplingParams(seed=i % 3, max_tokens=6)) for i in range(6)
+    }
+    runs = {}
+    for caching in (True, False):
+        engine = MockEngine(num_slots=3, max_seq_len=48, max_prefill_chunk=8)
+        results, sched = _run_all(engine, requests, prefix_caching=caching, one_by_one=True)
+        runs[caching] = (results, sched, engine)
+    (cached, sched_on, engine_on), (plain, sched_off, engine_off) = runs[True], runs[False]
+    assert cached == plain
+    for rid, (prompt, sampling) in requests.items():
+        assert cached[rid][0] == engine_on.reference_tokens(prompt, sampling)
+    # Every request after the first finds the document's 5 full pages (the 6th page differs).
+    assert sched_on.prefix_hit_tokens == 5 * 20 and sched_on.prefix_query_tokens == 6 * 24
+    assert engine_off.num_prefill_tokens - engine_on.num_prefill_tokens == 5 * 20
+    assert sched_off.prefix_hit_tokens == 0
+
+
+def test_a_second_turn_reuses_the_first_turns_prompt_and_answer():
+    engine = MockEngine(num_slots=2, max_seq_len=64, max_prefill_chunk=8)
+    sched = make(engine)
+    prompt, sampling = [5, 1, 4, 1, 5, 9, 2], SamplingParams(seed=1, max_tokens=10)
+    sched.add_request("turn1", prompt, sampling)
+    [(answer, _, _)] = drive(sched, engine)[0].values()
+    follow_up = prompt + answer + [3, 3, 3]
+    sched.add_request("turn2", follow_up, sampling)
+    outputs = []
+    plans = []
+    while sched.has_work():
+        plan = sched.schedule()
+        plans.append(plan)
+        outputs += sched.update_from_output(plan, *dispatch(engine, plan).results())
+    assert [t for o in outputs for t in o.new_token_ids] == engine.reference_tokens(follow_up, sampling)
+    # Turn 1 computed positions 0-15 (prompt and all but the last answer token): 4 full pages.
+    assert outputs[-1].num_cached_tokens == 16
+    assert sum(len(c.token_ids) for p in plans for c in p.prefill_chunks) == len(follow_up) - 16
+
+
+def test_a_request_waits_for_pages_and_one_larger_than_the_pool_is_refused():
+    engine = MockEngine(num_slots=4, max_seq_len=64, max_prefill_chunk=16, num_pages=5)  # 4 pages of 4
+    sched = make(engine, prefix_caching=False)
+    with pytest.raises(ValueError, match="the whole pool has 4"):
+        sched.add_request("big", list(range(10)), SamplingParams(max_tokens=7))  # 17 positions
+    assert sched.num_waiting == 0
+    sched.add_request("a", list(range(12)), SamplingParams(max_tokens=2))
+    sched.add_request("b", list(range(12, 24)), SamplingParams(max_tokens=2))
+    first = sched.schedule()
+    assert first.admitted_request_ids == ("a",) and sched.get("b").status is RequestStatus.WAITING
+    outputs = sched.update_from_output(first, *dispatch(engine, first).results())
+    finished = {o.request_id for o in outputs if o.finish_reason is not None}
+    results, plans = drive(sched, engine)
+    assert finished | set(results) == {"a", "b"}
+    assert "b" in {r for p in plans for r in p.admitted_request_ids}
+    assert sched.num_preemptions == 0 and sched.pool.num_used == 0
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_preemption_recomputes_and_streams_every_token_once(pipelined):
+    """12 usable pages, 4 requests that each grow to 9: the newest are preempted and resumed, and every
+    stream still equals its reference (no token lost or repeated)."""
+    engine = MockEngine(num_slots=4, max_seq_len=40, max_prefill_chunk=8, num_pages=13)
+    requests = {
+        f"r{i}": ([i, 2 * i + 1, 3, 4, 5, i], SamplingParams(seed=i, max_tokens=30)) for i in range(4)
+    }
+    for caching in (True, False):
+        results, sched = _run_all(engine, requests, prefix_caching=caching, pipelined=pipelined)
+        assert sched.num_preemptions > 0
+        for rid, (prompt, sampling) in requests.items():
+            tokens, _, reason = results[rid]
+            assert tokens == engine.reference_tokens(prompt, sampling) and reason == "length"
+
+
+def test_random_load_with_cancels_and_a_small_pool_leaks_no_page():
+    rng = random.Random(7)
+    engine = MockEngine(num_slots=6, max_seq_len=48, max_prefill_chunk=8, num_pages=25)
+    sched = make(engine, max_queue=16, budget=12)
+    submitted, cancelled = {}, set()
+    counter = iter(range(10_000))
+    shared = [rng.randrange(32) for _ in range(12)]
+
+    def on_step(i):
+        outs = []
+        if i < 300:
+            for _ in range(rng.randint(0, 2)):
+                head = shared if rng.random() < 0.5 else []
+                prompt = head + [rng.randrange(32) for _ in range(rng.randint(1, 14))]
+                sampling = SamplingParams(seed=rng.randrange(3), max_tokens=rng.randint(1, 48 - len(prompt)))
+                rid = f"r{next(counter)}"
+                try:
+                    sched.add_request(rid, prompt, sampling)
+                    submitted[rid] = (prompt, sampling)
+                except QueueFull:
+                    pass
+            live = [rid for rid in submitted if sched.get(rid) is not None]
+            if live and rng.random() < 0.25:
+                rid = rng.choice(live)
+                cancelled.add(rid)
+                outs.append(sched.finish_request(rid, "cancelled"))
+        return outs
+
+    results, _ = drive(sched, engine, before_step=on_step, min_steps=300)
+    assert set(results) == set(submitted) and len(submitted) > 100
+    assert sched.num_preemptions > 0 and sched.prefix_hit_tokens > 0
+    for rid, (prompt, sampling) in submitted.items():
+        expected = engine.reference_tokens(prompt, sampling)
+        tokens, _, reason = results[rid]
+        assert tokens == expected[: len(tokens)] if rid in cancelled else tokens == expected
+    assert sched.pool.num_used == 0 and sched.num_free_slots == 6
+    sched.pool.check()

@@ -33,12 +33,15 @@ MODEL_INFO = {
 }
 
 
-def start(*, num_slots=4, max_seq_len=64, step_delay_s=0.001, max_queue=64, fail_at_decode=None):
+def start(
+    *, num_slots=4, max_seq_len=64, step_delay_s=0.001, max_queue=64, fail_at_decode=None, num_pages=None
+):
     engine = MockEngine(
         num_slots=num_slots,
         max_seq_len=max_seq_len,
         max_prefill_chunk=8,
         vocab_size=TOK.vocab_size,
+        num_pages=num_pages,
         step_delay_s=step_delay_s,
         fail_at_decode=fail_at_decode,
     )
@@ -172,6 +175,8 @@ def test_tokenize_detokenize_and_model_info(server):
     assert info["model_name"] == "mock" and info["mesh"] == {"data": 1, "model": 1}
     assert info["vocab_size"] == TOK.vocab_size and info["num_slots"] == engine.num_slots
     assert info["context_length"] == engine.max_seq_len and info["quantization"] == "none"
+    assert info["page_size"] == engine.page_size and info["num_kv_pages"] == engine.num_pages - 1
+    assert info["prefix_caching"] is True
 
 
 def test_health_and_reflection_with_stock_clients(server):
@@ -332,3 +337,60 @@ def test_serve_forever_drains_in_flight_requests_on_sigterm():
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def test_64_clients_with_random_cancels_on_a_small_pool_leave_it_whole():
+    """More demand than pages: requests wait, the newest are preempted, clients cancel at random; every
+    finished stream is exact, a request too big for the whole pool is INVALID_ARGUMENT, and at the end
+    every page and slot is free."""
+    engine, running = start(num_slots=8, max_seq_len=160, num_pages=33, max_queue=64)  # 32 pages of 4
+    target = f"127.0.0.1:{running.port}"
+    rng = random.Random(5)
+    document = [rng.randrange(3, TOK.vocab_size) for _ in range(16)]
+    jobs = []
+    for i in range(64):
+        head = document if i % 2 else []
+        prompt = head + [rng.randrange(3, TOK.vocab_size) for _ in range(rng.randint(1, 12))]
+        sampling = SamplingParams(max_tokens=rng.randint(1, 64 - len(prompt)), seed=i % 4, ignore_eos=True)
+        jobs.append((prompt, sampling, rng.random() < 0.3))  # (.., cancel after a few tokens)
+    results = [None] * len(jobs)
+
+    def client(i):
+        prompt, sp, cancel = jobs[i]
+        with InferenceClient(target, timeout_s=60) as c:
+            stream = c.generate(prompt, max_tokens=sp.max_tokens, seed=sp.seed, ignore_eos=True)
+            tokens = []
+            try:
+                for chunk in stream:
+                    tokens += chunk.token_ids
+                    if cancel and len(tokens) >= 2:
+                        stream.cancel()
+                        break
+                    if chunk.finish_reason is not None:
+                        results[i] = (tokens, chunk.finish_reason)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.CANCELLED
+            if results[i] is None:
+                results[i] = (tokens, "cancelled")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    with InferenceClient(target, timeout_s=10) as c, pytest.raises(grpc.RpcError) as info:
+        collect(c.generate(list(range(3, 40)), max_tokens=100, ignore_eos=True))  # 137 positions > 128
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pool" in info.value.details()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for (prompt, sp, cancel), (tokens, reason) in zip(jobs, results, strict=True):
+        want = expected(engine, prompt, sp)
+        if reason == "cancelled":
+            assert cancel and tokens == want[: len(tokens)]
+        else:
+            assert tokens == want and reason == "length"
+    wait_until(lambda: running.orchestrator.stats()["num_live"] == 0)
+    stats = running.orchestrator.stats()
+    assert stats["kv_pages_used"] == 0 and stats["num_free_slots"] == 8
+    assert stats["prefix_cache_hit_tokens"] > 0 and stats["num_preemptions"] > 0
+    running.orchestrator._scheduler.pool.check()
+    running.stop(1.0)

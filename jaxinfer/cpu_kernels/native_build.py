@@ -72,6 +72,24 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+SIMD_FEATURES = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                 "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
+
+
+def cpu_description() -> str:
+    """CPU model, usable cores and the SIMD features the native kernels care about (for benchmarks)."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    present = [f for f in SIMD_FEATURES if f in cpu_flags()] or ["(none of the listed)"]
+    return f"CPU: {model}, {len(os.sched_getaffinity(0))} cores; features: {' '.join(present)}"
+
+
 def register_kernels(source: Path, cpu_features: tuple[str, ...], targets: tuple[str, ...]) -> bool:
     """Builds `source` for an x86-64 CPU with `cpu_features` (e.g. "avx512_vnni", compiled with
     -mavx512vnni) and registers each FFI handler symbol in `targets` as an XLA:CPU custom call of the

@@ -133,7 +133,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "num_slots", "mesh", "dtype", "quantization")
+    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "num_slots", "mesh", "dtype", "quantization", "page_size", "num_kv_pages", "kv_cache_dtype", "prefix_caching")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,10 @@ class ModelInfo(_message.Message):
     MESH_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_PAGES_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     context_length: int
@@ -157,4 +161,8 @@ class ModelInfo(_message.Message):
     mesh: _containers.ScalarMap[str, int]
     dtype: str
     quantization: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ...) -> None: ...
+    page_size: int
+    num_kv_pages: int
+    kv_cache_dtype: str
+    prefix_caching: bool
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ...) -> None: ...

@@ -140,11 +140,6 @@ def bytes_per_page(model: ModelConfig, page_size: int, dtype: str) -> int:
     return values + scales
 
 
-def pages_for_memory(model: ModelConfig, page_size: int, dtype: str, num_bytes: int) -> int:
-    """How many pages (the null page included) fit in `num_bytes` of KV memory."""
-    return num_bytes // bytes_per_page(model, page_size, dtype)
-
-
 def init_cache(model: ModelConfig, cache: CacheConfig, mesh: Mesh) -> KVCache:
     """A zeroed pool placed on the mesh (KV heads over `tensor`)."""
     spec = kv_cache_spec(model.num_kv_heads, mesh)

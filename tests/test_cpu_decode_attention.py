@@ -226,20 +226,20 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
 
     config = CONFIGS["llama"]
     params = random_params(config, seed=0)
-    cache = paged_cache_config(4, 256, page_size=16, dtype="bfloat16")
-    native = JaxEngine(params, config, cache, kernels=KernelConfig(attention="native"))
-    xla = JaxEngine(params, config, cache, kernels=KernelConfig())
+    cache = paged_cache_config(4, 128, page_size=16, dtype="bfloat16")
+    native = JaxEngine(params, config, cache, max_prefill_chunk=16, kernels=KernelConfig(attention="native"))
+    xla = JaxEngine(params, config, cache, max_prefill_chunk=16, kernels=KernelConfig())
     # One row stays on XLA attention (kernel_dispatch.NATIVE_ATTENTION_MIN_ROWS); 2 and 4 rows read each
     # row up to its own length, so the page buckets collapse to a whole page table.
     assert [native.native_decode_attention(r) for r in (1, 2, 4)] == [False, True, True]
-    assert native._decode_page_buckets(4) == (16,) and len(xla._decode_page_buckets(4)) > 1
+    assert native._decode_page_buckets(4) == (8,) and len(xla._decode_page_buckets(4)) > 1
     assert native.decode_attend_len(4, 100) == 101
     assert xla.decode_attend_len(4, 100) % 16 == 0 and xla.decode_attend_len(4, 100) > 100
     native.warmup()
     xla.warmup()
     assert native.compile_count < xla.compile_count
     # An int8 cache is not one the kernel reads: XLA attention, with its buckets.
-    int8 = JaxEngine(params, config, paged_cache_config(4, 256, page_size=16, dtype="int8"),
+    int8 = JaxEngine(params, config, paged_cache_config(4, 128, page_size=16, dtype="int8"),
                      kernels=KernelConfig(attention="native"))  # fmt: skip
     assert not int8.native_decode_attention(4)
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import KernelConfig, ModelConfig
+from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, DecodeBatch, PrefillChunk
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
@@ -116,10 +116,15 @@ def _greedy_reference(params, config, prompt: list[int], steps: int) -> list[int
     return tokens[len(prompt) :]
 
 
+# 4 slots of up to 128 positions over 33 usable pages of 8 (264 positions): room for any one request,
+# not for four long ones (test_prefix_caching_and_preemption_change_no_greedy_token preempts).
+LLAMA_CACHE = CacheConfig(num_pages=34, page_size=8, max_len=128, num_slots=4, dtype="float32")
+
+
 @pytest.fixture(scope="module")
 def llama_engine():
     params = random_params(LLAMA, seed=1)
-    engine = JaxEngine(params, LLAMA, paged_cache_config(4, 128), max_prefill_chunk=32)
+    engine = JaxEngine(params, LLAMA, LLAMA_CACHE, max_prefill_chunk=32)
     engine.warmup()
     return engine, params
 
@@ -173,7 +178,8 @@ def test_pallas_attention_path_gives_the_xla_tokens(arch):
     tokens = {}
     for impl in ("xla", "pallas"):
         kernels = KernelConfig(attention=impl, interpret=True)
-        engine = JaxEngine(params, config, paged_cache_config(4, 128), max_prefill_chunk=32, kernels=kernels)
+        cache = paged_cache_config(3, 128, page_size=16)
+        engine = JaxEngine(params, config, cache, max_prefill_chunk=32, kernels=kernels)
         results = generate(engine, IdTokenizer(config.vocab_size), prompts, [greedy] * 3)
         tokens[impl] = [r.token_ids for r in results]
     assert tokens["pallas"] == tokens["xla"]
@@ -313,38 +319,37 @@ def test_fused_projections_give_the_same_logits(quantize):
 
 
 def test_prefix_caching_and_preemption_change_no_greedy_token(llama_engine):
-    """Through the orchestrator on the real engine: prompts sharing a document, a second turn that
-    starts with the first turn's prompt and answer, and a pool too small for every request at once
-    (preemption) give the tokens of each prompt alone, prefix caching on or off."""
-    from jaxinfer.config import CacheConfig
+    """Through the orchestrator on the real engine: prompts sharing a document, a pool too small for
+    every request at once (preemption) and a second turn that starts with the first turn's prompt and
+    answer give the tokens of each prompt alone, prefix caching on or off."""
     from jaxinfer.orchestrator import Orchestrator
 
-    engine, params = llama_engine
+    engine, _ = llama_engine
     tok = IdTokenizer(LLAMA.vocab_size)
     rng = np.random.default_rng(11)
     document = [int(t) for t in rng.integers(0, 101, size=37)]
     prompts = [document + [int(t) for t in rng.integers(0, 101, size=n)] for n in (3, 9, 1, 14)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    alone = [generate(engine, tok, [p], [greedy])[0].token_ids for p in prompts]
-    # 22 usable pages of 8 for 4 requests that each grow to 8: the newest get preempted.
-    small = CacheConfig(num_pages=23, page_size=8, max_len=128, num_slots=4, dtype="float32")
-    small_engine = JaxEngine(params, LLAMA, small, max_prefill_chunk=32)
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)  # 86-99 positions each
+    short = dataclasses.replace(greedy, max_tokens=16)
+    answers, follow_ups = {}, {}
     for caching in (True, False):
-        orch = Orchestrator(small_engine, tok, enable_prefix_caching=caching)
-        orch.start()
+        orch = Orchestrator(engine, tok, enable_prefix_caching=caching).start()
         try:
             handles = [orch.submit(p, greedy) for p in prompts]
-            assert [h.collect()[0] for h in handles] == alone
+            answers[caching] = [h.collect()[0] for h in handles]
             stats = orch.stats()
             assert stats["num_preemptions"] > 0 and stats["kv_pages_used"] == 0
             assert (stats["prefix_cache_hit_tokens"] > 0) == caching
-            # A second turn: the first turn's prompt and answer, then a new message.
+            # The next turn: the first turn's prompt and answer, then a new message.
             first = orch.submit(prompts[0], greedy).collect()[0]
             follow_up = prompts[0] + first + [5, 6, 7]
             hits = orch.stats()["prefix_cache_hit_tokens"]
-            second = orch.submit(follow_up, greedy).collect()[0]
-            assert second == generate(engine, tok, [follow_up], [greedy])[0].token_ids
-            if caching:  # all but the answer's last token were computed: 63 positions, 7 full pages
-                assert orch.stats()["prefix_cache_hit_tokens"] - hits == 56
+            follow_ups[caching] = (follow_up, orch.submit(follow_up, short).collect()[0])
+            if caching:  # every position the first turn computed but its answer's last: 87 -> 10 pages
+                assert orch.stats()["prefix_cache_hit_tokens"] - hits == 80
         finally:
             orch.stop()
+    alone = [generate(engine, tok, [p], [greedy])[0].token_ids for p in prompts]
+    assert answers[True] == answers[False] == alone
+    for follow_up, tokens in follow_ups.values():
+        assert tokens == generate(engine, tok, [follow_up], [short])[0].token_ids

@@ -121,15 +121,17 @@ def test_decode_through_the_kernel_matches_recompute_at_any_batch(arch):
     reference = teacher_forced_logits(float_params, config, tokens, KernelConfig())
     params = add_vnni_weights(quantize_params(fuse_projections(random_params(config, seed=3))))
     assert "vnni" in params["layers"][0]["qkv_proj"] and "vnni" in params["embed"]
-    kernels = KernelConfig(matmul="native")
+    # Attention through the native kernel too: XLA's own attention may reduce in another order at
+    # another row count.
+    kernels = KernelConfig(matmul="native", attention="native")
     full = teacher_forced_logits(params, config, tokens, kernels)  # 20 rows through the kernel
     decoded = {
         rows: teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype="float32")
         for rows in (2, 6)
     }
-    # Each row is quantised and multiplied on its own, in the same order in any row group: the batch size
-    # changes nothing, bit for bit (without the kernel, 2 rows run as matrix-vector products and 6 through
-    # the bf16 copies: their logits differ by up to ~0.05).
+    # Each row is quantised, multiplied and attended on its own, in the same order in any row group: the
+    # batch size changes nothing, bit for bit (without the kernels, 2 rows run as matrix-vector products
+    # and 6 through the bf16 copies: their logits differ by up to ~0.05).
     np.testing.assert_array_equal(decoded[2], decoded[6])
     # Cached decode vs one pass over the sequence: the same rows up to float rounding, which can move
     # an activation across an int8 rounding boundary.

@@ -90,6 +90,13 @@ class PagePool:
             pages.append(page)
         return pages
 
+    def num_cached_prefix(self, keys: Sequence[PageHash]) -> int:
+        """How many leading `keys` are cached (take_cached without taking)."""
+        n = 0
+        while n < len(keys) and keys[n] in self._page_of:
+            n += 1
+        return n
+
     def take_cached(self, keys: Sequence[PageHash]) -> list[int]:
         """The cached pages of the longest prefix of `keys` found, each now held once more."""
         pages = []

@@ -51,7 +51,7 @@ from jaxinfer.engine import (
     StepOutput,
 )
 from jaxinfer.kv_cache import NULL_PAGE
-from jaxinfer.page_pool import PagePool, page_hashes
+from jaxinfer.page_pool import PageHash, PagePool, page_hashes
 from jaxinfer.request import SamplingParams
 
 
@@ -139,6 +139,9 @@ class SequenceState:
     epoch: int = 0  # bumped by each preemption: tokens of steps dispatched before it are dropped
     num_prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     admission_order: int = 0  # preemption takes the newest admitted first
+    # Prefix-cache keys of the full pages of all_token_ids before its last token (the pages a prefill
+    # may take from the cache), computed once per length of all_token_ids.
+    fill_page_keys: tuple[list[PageHash], int] = ([], -1)
 
     @property
     def is_live(self) -> bool:
@@ -386,13 +389,33 @@ class Scheduler:
             self.pool.cache(seq.page_ids[i], keys[i])
         seq.num_cached_pages = full
 
+    def _fill_keys(self, seq: SequenceState) -> list[PageHash]:
+        """Keys of the pages a prefill of `seq` may take from the cache: every full page but the one
+        holding the last token, which is always computed (its logits sample the next token)."""
+        fill = seq.all_token_ids
+        keys, length = seq.fill_page_keys
+        if length != len(fill):
+            keys = page_hashes(fill, self.page_size, (len(fill) - 1) // self.page_size)
+            seq.fill_page_keys = (keys, len(fill))
+        return keys
+
+    def _upcoming_keys(self, seq: SequenceState) -> list[PageHash]:
+        """Keys of the pages a request being prefilled has yet to dispatch."""
+        return self._fill_keys(seq)[seq.num_computed // self.page_size :]
+
+    def _waits_for_prefix(self, seq: SequenceState, upcoming: set[PageHash]) -> bool:
+        """Whether the first page `seq` would compute is one a request being prefilled computes anyway:
+        admitted later, `seq` takes it from the cache instead of computing it twice (32 requests over
+        one document arriving together prefill the document once)."""
+        keys = self._fill_keys(seq)
+        hits = self.pool.num_cached_prefix(keys)
+        return hits < len(keys) and keys[hits] in upcoming
+
     def _admit(self, seq: SequenceState) -> bool:
         """Gives `seq` a slot and pages for every token it prefills, reusing prefix-cached pages;
         False (and nothing taken) when the pool cannot hold it now."""
         fill = seq.all_token_ids
-        # At least the last token is computed: its logits sample the next one.
-        keys = page_hashes(fill, self.page_size, (len(fill) - 1) // self.page_size)
-        cached = self.pool.take_cached(keys)
+        cached = self.pool.take_cached(self._fill_keys(seq))
         fresh = self.pool.allocate(self._pages_for(len(fill)) - len(cached))
         if fresh is None:
             self.pool.free(cached[::-1])
@@ -435,7 +458,9 @@ class Scheduler:
         1. Every running request gets a page for its next position, oldest first; when none is left
            the newest live request is preempted (possibly the one asking).
         2. Prompts being prefilled continue (in admission order) within the token budget.
-        3. Waiting requests are admitted while a slot, the budget and the pages for their tokens last.
+        3. Waiting requests are admitted in order while a slot, the budget and the pages for their
+           tokens last; one whose next uncached page another request is still prefilling waits for
+           it (the requests behind it may go first).
         4. The decode batch lists every running request, including those whose prompt ended in 2-3
            and whose first decode position has a page.
         """
@@ -457,13 +482,24 @@ class Scheduler:
             if budget <= 0:
                 break
             budget -= self._add_chunk(seq, budget, chunks, prefill_owners)
+        upcoming: set[PageHash] = set()
+        if self.pool.enable_prefix_caching:
+            for seq in (r for r in running if r.status is RequestStatus.PREFILLING):
+                upcoming.update(self._upcoming_keys(seq))
+        deferred: list[SequenceState] = []
         while budget > 0 and self._waiting and self._free_slots and not preempted:
             seq = self._waiting[0]
+            if upcoming and self._waits_for_prefix(seq, upcoming):
+                deferred.append(self._waiting.popleft())
+                continue
             if not self._admit(seq):
                 break
             seq.admission_order = next(self._admissions)
             admitted.append(seq.request_id)
             budget -= self._add_chunk(seq, budget, chunks, prefill_owners)
+            if self.pool.enable_prefix_caching and seq.status is RequestStatus.PREFILLING:
+                upcoming.update(self._upcoming_keys(seq))
+        self._waiting.extendleft(reversed(deferred))
 
         positions = np.full(self.num_slots, -1, np.int32)
         decode_owners: dict[int, Owner] = {}

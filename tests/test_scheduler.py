@@ -453,3 +453,23 @@ def test_random_load_with_cancels_and_a_small_pool_leaks_no_page():
         assert tokens == expected[: len(tokens)] if rid in cancelled else tokens == expected
     assert sched.pool.num_used == 0 and sched.num_free_slots == 6
     sched.pool.check()
+
+
+def test_requests_arriving_together_over_one_document_prefill_it_once():
+    """The first request prefills the document in chunks; the others wait for its pages instead of
+    computing them too, while a request with another prompt goes ahead of them."""
+    document = [(5 * i + 1) % 32 for i in range(21)]
+    requests = {f"q{i}": (document + [i, (i + 3) % 32, 9], SamplingParams(max_tokens=3)) for i in range(6)}
+    requests["other"] = ([31, 30, 29], SamplingParams(max_tokens=3))
+    engine = MockEngine(num_slots=8, max_seq_len=48, max_prefill_chunk=8)
+    sched = make(engine, budget=12)  # room for more than q0's chunk in each step
+    for rid, (prompt, sampling) in requests.items():
+        sched.add_request(rid, prompt, sampling)
+    results, plans = drive(sched, engine)
+    for rid, (prompt, sampling) in requests.items():
+        assert results[rid][0] == engine.reference_tokens(prompt, sampling)
+    # The document's 5 full pages are computed once: 24 tokens for q0, 4 for each other question, 3.
+    assert engine.num_prefill_tokens == 24 + 5 * 4 + 3
+    admitted = [rid for plan in plans for rid in plan.admitted_request_ids]
+    assert admitted.index("other") < admitted.index("q1")
+    assert sched.pool.num_used == 0

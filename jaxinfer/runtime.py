@@ -115,9 +115,9 @@ def default_cache_dtype(cache_dtype: str | None, dtype: str) -> str:
     return "bfloat16" if jax.default_backend() == "cpu" else dtype
 
 
-# Positions per KV page. CPU: the native decode kernel and XLA's gathers both run best from 64-position
-# pages up (docs/benchmarks.md), and 64 keeps page tables short at 8k contexts. TPU/GPU: 16, as
-# tpu-inference and vLLM use for long contexts; finer prefix sharing at a small kernel cost.
+# Positions per KV page. CPU: 16-position pages decoded measurably slower, 32 to 256 alike
+# (docs/benchmarks.md); 64 keeps page tables and page buckets short at 8k contexts. TPU/GPU: 16, as
+# tpu-inference and vLLM use; finer prefix sharing at a small kernel cost.
 DEFAULT_PAGE_SIZE = {"cpu": 64}
 ACCELERATOR_PAGE_SIZE = 16
 # CPU: KV memory for every running request at full length, at most 1 GiB (SmolLM2 in bfloat16: ~45k

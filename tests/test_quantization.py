@@ -83,9 +83,9 @@ def test_int8_smollm2_keeps_greedy_agreement_and_perplexity():
     before = weight_bytes(loaded.params)
     quantized = quantize_params(loaded.params)
     assert weight_bytes(quantized) / before < 0.26
-    # Measured 2026-11-30 (session 3): 92.6% (float activations), 88.9% (int8 activations with float
-    # outlier channels), 92.6% with the bf16 copy for several rows; perplexity within 1%. Session 4: 91.2%
-    # through the VNNI kernel (int8 activation blocks of 32; the CPU default where it runs).
+    # Measured 2026-11-30: 92.6% (float activations), 88.9% (int8 activations with float outlier
+    # channels), 92.6% with the bf16 copy for several rows; perplexity within 1%; 91.2% through the VNNI
+    # kernel (int8 activation blocks of 32; the CPU default where it runs).
     forms = [
         (KernelConfig(int8_activations=False), 0.88, quantized),
         (KernelConfig(int8_activations=True), 0.8, quantized),

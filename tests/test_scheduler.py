@@ -259,19 +259,21 @@ def test_finish_request_frees_the_slot_at_once_and_drops_the_speculative_token()
     assert sched.finish_request("a", "cancelled") is None  # already finished: a no-op
 
 
-def test_random_arrivals_and_cancels_keep_invariants_and_leak_no_slot():
-    rng = random.Random(1)
-    engine = MockEngine(num_slots=4, max_seq_len=40, max_prefill_chunk=6)
-    sched = make(engine, max_queue=8, budget=9)
+def _random_load(sched, engine, rng, *, steps, make_prompt, cancel_rate, check_step=lambda: None):
+    """For `steps` steps, 0-2 arrivals (make_prompt() prompts, max_tokens up to the context) and a cancel
+    of a random live request with probability cancel_rate; then drives to idle.
+    -> (results, {request_id: (prompt, sampling)} of the accepted requests, cancelled ids)."""
     submitted, cancelled = {}, set()
-    counter = iter(range(1000))
+    counter = iter(range(10_000))
 
     def on_step(i):
         outs = []
-        if i < 150:
+        if i < steps:
             for _ in range(rng.randint(0, 2)):
-                prompt = [rng.randrange(32) for _ in range(rng.randint(1, 25))]
-                sampling = SamplingParams(seed=rng.randrange(3), max_tokens=rng.randint(1, 40 - len(prompt)))
+                prompt = make_prompt()
+                seed = rng.randrange(3)  # drawn before max_tokens
+                max_tokens = rng.randint(1, engine.max_seq_len - len(prompt))
+                sampling = SamplingParams(seed=seed, max_tokens=max_tokens)
                 rid = f"r{next(counter)}"
                 try:
                     sched.add_request(rid, prompt, sampling)
@@ -279,15 +281,30 @@ def test_random_arrivals_and_cancels_keep_invariants_and_leak_no_slot():
                 except QueueFull:
                     pass
             live = [rid for rid in submitted if sched.get(rid) is not None]
-            if live and rng.random() < 0.2:
+            if live and rng.random() < cancel_rate:
                 rid = rng.choice(live)
                 cancelled.add(rid)
                 outs.append(sched.finish_request(rid, "cancelled"))
-        busy = sched.num_slots - sched.num_free_slots
-        assert 0 <= busy <= sched.num_slots and sched.num_waiting <= 8
+        check_step()
         return outs
 
-    results, _ = drive(sched, engine, before_step=on_step, min_steps=150)
+    results, _ = drive(sched, engine, before_step=on_step, min_steps=steps)
+    return results, submitted, cancelled
+
+
+def test_random_arrivals_and_cancels_keep_invariants_and_leak_no_slot():
+    rng = random.Random(1)
+    engine = MockEngine(num_slots=4, max_seq_len=40, max_prefill_chunk=6)
+    sched = make(engine, max_queue=8, budget=9)
+
+    def check_step():
+        busy = sched.num_slots - sched.num_free_slots
+        assert 0 <= busy <= sched.num_slots and sched.num_waiting <= 8
+
+    results, submitted, cancelled = _random_load(
+        sched, engine, rng, steps=150, cancel_rate=0.2, check_step=check_step,
+        make_prompt=lambda: [rng.randrange(32) for _ in range(rng.randint(1, 25))],
+    )  # fmt: skip
     assert set(results) == set(submitted) and len(submitted) > 40
     for rid, (prompt, sampling) in submitted.items():
         expected = engine.reference_tokens(prompt, sampling)
@@ -420,31 +437,15 @@ def test_random_load_with_cancels_and_a_small_pool_leaks_no_page():
     rng = random.Random(7)
     engine = MockEngine(num_slots=6, max_seq_len=48, max_prefill_chunk=8, num_pages=25)
     sched = make(engine, max_queue=16, budget=12)
-    submitted, cancelled = {}, set()
-    counter = iter(range(10_000))
     shared = [rng.randrange(32) for _ in range(12)]
 
-    def on_step(i):
-        outs = []
-        if i < 300:
-            for _ in range(rng.randint(0, 2)):
-                head = shared if rng.random() < 0.5 else []
-                prompt = head + [rng.randrange(32) for _ in range(rng.randint(1, 14))]
-                sampling = SamplingParams(seed=rng.randrange(3), max_tokens=rng.randint(1, 48 - len(prompt)))
-                rid = f"r{next(counter)}"
-                try:
-                    sched.add_request(rid, prompt, sampling)
-                    submitted[rid] = (prompt, sampling)
-                except QueueFull:
-                    pass
-            live = [rid for rid in submitted if sched.get(rid) is not None]
-            if live and rng.random() < 0.25:
-                rid = rng.choice(live)
-                cancelled.add(rid)
-                outs.append(sched.finish_request(rid, "cancelled"))
-        return outs
+    def make_prompt():
+        head = shared if rng.random() < 0.5 else []
+        return head + [rng.randrange(32) for _ in range(rng.randint(1, 14))]
 
-    results, _ = drive(sched, engine, before_step=on_step, min_steps=300)
+    results, submitted, cancelled = _random_load(
+        sched, engine, rng, steps=300, cancel_rate=0.25, make_prompt=make_prompt
+    )
     assert set(results) == set(submitted) and len(submitted) > 100
     assert sched.num_preemptions > 0 and sched.prefix_hit_tokens > 0
     for rid, (prompt, sampling) in submitted.items():

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import threading
 import time
 from pathlib import Path
 
-from bench_prefix_caching import Server, bench_serving, jaxinfer_command, scrape_metrics
+from bench_prefix_caching import Server, add_run_args, bench_serving, prepare_run, scrape_metrics
 
 from jaxinfer.cpu_kernels.native_build import cpu_description
 
@@ -98,15 +97,9 @@ def main() -> None:
     parser.add_argument("--output-len", default="uniform:20,200", help="bench-serving length distribution")
     parser.add_argument("--request-rate", default="inf", help="arrivals/s (inf: all at once)")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between metrics samples")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds for the bench-serving run")
-    parser.add_argument("--result-dir", default="out/bench_kv_capacity")
-    parser.add_argument("--jaxinfer", default=None, help="command that runs jaxinfer (default: the venv's)")
+    add_run_args(parser, "out/bench_kv_capacity")
     args = parser.parse_args()
-    jaxinfer = shlex.split(args.jaxinfer) if args.jaxinfer else jaxinfer_command()
-
-    result_dir = Path(args.result_dir)
-    result_dir.mkdir(parents=True, exist_ok=True)
-    print(cpu_description())
+    jaxinfer, result_dir = prepare_run(args)
     per_position, how = bytes_per_position(args.model, args.kv_cache_dtype)
     kv_bytes = args.old_slots * args.old_max_len * per_position
     print(

@@ -38,6 +38,23 @@ def jaxinfer_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "jaxinfer.cli"]
 
 
+def add_run_args(parser: argparse.ArgumentParser, result_dir: str) -> None:
+    """The flags every server benchmark here takes: bench-serving's timeout, where results go, and
+    the command that runs jaxinfer."""
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds for each bench-serving run")
+    parser.add_argument("--result-dir", default=result_dir)
+    parser.add_argument("--jaxinfer", default=None, help="command that runs jaxinfer (default: the venv's)")
+
+
+def prepare_run(args: argparse.Namespace) -> tuple[list[str], Path]:
+    """-> (the jaxinfer command, the result folder, made); prints the CPU the run measures."""
+    jaxinfer = shlex.split(args.jaxinfer) if args.jaxinfer else jaxinfer_command()
+    result_dir = Path(args.result_dir)
+    result_dir.mkdir(parents=True, exist_ok=True)
+    print(cpu_description())
+    return jaxinfer, result_dir
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -164,15 +181,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-running", type=int, default=32)
     parser.add_argument("--kv-cache-memory", default="2GiB", help="the same KV page pool for both servers")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds for each bench-serving run")
-    parser.add_argument("--result-dir", default="out/bench_prefix_caching")
-    parser.add_argument("--jaxinfer", default=None, help="command that runs jaxinfer (default: the venv's)")
+    add_run_args(parser, "out/bench_prefix_caching")
     args = parser.parse_args()
-    jaxinfer = shlex.split(args.jaxinfer) if args.jaxinfer else jaxinfer_command()
-
-    result_dir = Path(args.result_dir)
-    result_dir.mkdir(parents=True, exist_ok=True)
-    print(cpu_description())
+    jaxinfer, result_dir = prepare_run(args)
     serve_flags = [
         "--model", args.model, "--max-running", str(args.max_running),
         "--kv-cache-memory", args.kv_cache_memory, "--max-queue", str(max(64, 2 * args.num_requests)),

@@ -28,14 +28,24 @@ PageHash = bytes
 def page_hashes(token_ids: Sequence[int], page_size: int, num_pages: int | None = None) -> list[PageHash]:
     """Chained keys of the first `num_pages` full pages of `token_ids` (all full pages by default):
     key i = sha256(key i-1 + the page's tokens), so a key names the page's whole prefix."""
+    keys: list[PageHash] = []
+    extend_page_hashes(keys, token_ids, page_size, num_pages)
+    return keys
+
+
+def extend_page_hashes(
+    keys: list[PageHash], token_ids: Sequence[int], page_size: int, num_pages: int | None = None
+) -> None:
+    """Appends to `keys`, the page_hashes of a prefix of `token_ids`, the keys of its next full pages
+    up to `num_pages` in all: a sequence that only grows hashes each page once."""
     full = len(token_ids) // page_size
     n = full if num_pages is None else min(num_pages, full)
-    ids = np.asarray(token_ids[: n * page_size], np.int64)
-    keys, parent = [], b""
-    for i in range(n):
+    start = len(keys)
+    ids = np.asarray(token_ids[start * page_size : n * page_size], np.int64)
+    parent = keys[-1] if keys else b""
+    for i in range(n - start):
         parent = hashlib.sha256(parent + ids[i * page_size : (i + 1) * page_size].tobytes()).digest()[:16]
         keys.append(parent)
-    return keys
 
 
 class PagePool:

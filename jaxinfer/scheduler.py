@@ -51,7 +51,7 @@ from jaxinfer.engine import (
     StepOutput,
 )
 from jaxinfer.kv_cache import NULL_PAGE
-from jaxinfer.page_pool import PageHash, PagePool, page_hashes
+from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
 from jaxinfer.request import SamplingParams
 
 
@@ -139,9 +139,9 @@ class SequenceState:
     epoch: int = 0  # bumped by each preemption: tokens of steps dispatched before it are dropped
     num_prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache at the last admission
     admission_order: int = 0  # preemption takes the newest admitted first
-    # Prefix-cache keys of the full pages of all_token_ids before its last token (the pages a prefill
-    # may take from the cache), computed once per length of all_token_ids.
-    fill_page_keys: tuple[list[PageHash], int] = ([], -1)
+    # Prefix-cache keys of the leading full pages of all_token_ids, extended as it grows (it only
+    # grows, so a key once computed stays right, preemptions included).
+    page_keys: list[PageHash] = dataclasses.field(default_factory=list)
 
     @property
     def is_live(self) -> bool:
@@ -384,20 +384,21 @@ class Scheduler:
         full = min(known // self.page_size, len(seq.page_ids))
         if full <= seq.num_cached_pages or not self.pool.enable_prefix_caching:
             return
-        keys = page_hashes(seq.all_token_ids, self.page_size, full)
+        keys = self._page_keys(seq, full)
         for i in range(seq.num_cached_pages, full):
             self.pool.cache(seq.page_ids[i], keys[i])
         seq.num_cached_pages = full
 
+    def _page_keys(self, seq: SequenceState, num_pages: int) -> list[PageHash]:
+        """The keys of the first num_pages full pages of `seq`'s tokens."""
+        if len(seq.page_keys) < num_pages:
+            extend_page_hashes(seq.page_keys, seq.all_token_ids, self.page_size, num_pages)
+        return seq.page_keys[:num_pages]
+
     def _fill_keys(self, seq: SequenceState) -> list[PageHash]:
         """Keys of the pages a prefill of `seq` may take from the cache: every full page but the one
         holding the last token, which is always computed (its logits sample the next token)."""
-        fill = seq.all_token_ids
-        keys, length = seq.fill_page_keys
-        if length != len(fill):
-            keys = page_hashes(fill, self.page_size, (len(fill) - 1) // self.page_size)
-            seq.fill_page_keys = (keys, len(fill))
-        return keys
+        return self._page_keys(seq, (len(seq.all_token_ids) - 1) // self.page_size)
 
     def _upcoming_keys(self, seq: SequenceState) -> list[PageHash]:
         """Keys of the pages a request being prefilled has yet to dispatch."""

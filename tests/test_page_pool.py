@@ -5,7 +5,7 @@ import random
 import pytest
 
 from jaxinfer.kv_cache import NULL_PAGE
-from jaxinfer.page_pool import PagePool, page_hashes
+from jaxinfer.page_pool import PagePool, extend_page_hashes, page_hashes
 
 
 def test_page_keys_name_the_whole_prefix():
@@ -18,6 +18,12 @@ def test_page_keys_name_the_whole_prefix():
     assert b[0] != a[0] and b[1] != a[1]
     c = page_hashes([1, 2, 3, 4, 5, 6, 7, 0], 4)
     assert c[0] == a[0] and c[1] != a[1]
+    # Extending keys page by page as a sequence grows gives the keys of the whole.
+    grown: list[bytes] = []
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]
+    for n in (1, 5, 9, 13):
+        extend_page_hashes(grown, tokens[:n], 4)
+    assert grown == page_hashes(tokens, 4) and len(grown) == 3
     # A key depends on every token's full value, not just its low byte.
     assert page_hashes([256, 0, 0, 0], 4) != page_hashes([0, 1, 0, 0], 4)
 

@@ -100,7 +100,6 @@ def bench_ours(
     )  # fmt: skip
     engine = JaxEngine(params, config, cache, mesh=runtime.engine.mesh, kernels=runtime.engine.kernels)
     table = contiguous_page_table(batch, pages_per_slot)
-    result["page_size"] = page_size
 
     def prefill(slot: int, tokens: list[int] = prompt) -> None:
         chunk = PrefillChunk(slot, tokens, 0, greedy, table[slot].tolist(), True, tokens)

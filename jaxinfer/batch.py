@@ -4,8 +4,8 @@ Input, one JSON object per line:
   {"id": "q1", "prompt": "Hello", "max_tokens": 32, "temperature": 0}
   {"id": 2, "messages": [{"role": "user", "content": "Hi"}], "stop": ["\\n"], "metadata": {...}}
 `id` (a string or an integer, unique in the file) and exactly one of `prompt` / `messages` are required;
-`max_tokens` and the sampling fields in SAMPLING_FIELDS override the defaults (the CLI sampling flags);
-`metadata` is copied to the output unchanged.
+the sampling fields of request.py (max_tokens, temperature, stop, ...) override the CLI sampling flags,
+which override the model's recommended values; `metadata` is copied to the output unchanged.
 Output, one JSON object per line, in completion order (not input order):
   {"id", "text", "token_ids", "finish_reason", "usage": {prompt_tokens, completion_tokens, ttft_s,
    tpot_s, queue_time_s, e2e_s}, ["metadata"]}
@@ -37,33 +37,30 @@ import numpy as np
 
 from jaxinfer.engine import Engine
 from jaxinfer.orchestrator import NotAccepting, Orchestrator, QueueFull, RequestHandle
-from jaxinfer.request import SamplingParams, check_request
+from jaxinfer.request import (
+    FIELD_TYPES,
+    FinishReason,
+    ModelDefaults,
+    SamplingParams,
+    check_request,
+    encode_prompt,
+    parse_sampling,
+)
 
 __all__ = [
     "BatchInputError",
     "BatchItem",
     "BatchSummary",
-    "SAMPLING_FIELDS",
     "parse_input",
     "parse_input_line",
     "read_done_ids",
     "run_batch",
 ]
 
-# Per-line overrides of the default SamplingParams, with the JSON types each accepts.
-SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
-    "max_tokens": (int,),
-    "temperature": (int, float),
-    "top_p": (int, float),
-    "top_k": (int,),
-    "min_p": (int, float),
-    "seed": (int,),
-    "repetition_penalty": (int, float),
-    "presence_penalty": (int, float),
-    "ignore_eos": (bool,),
-}
-_KNOWN_KEYS = {"id", "prompt", "messages", "stop", "metadata", *SAMPLING_FIELDS}
-_RESULT_FINISH_REASONS = ("stop", "length")  # the ones written; others are retried on the next run
+_SAMPLING_KEYS = set(FIELD_TYPES) - {"structured_output"}
+_KNOWN_KEYS = {"id", "prompt", "messages", "metadata", *_SAMPLING_KEYS}
+# The ones written; others are retried on the next run.
+_RESULT_FINISH_REASONS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 class BatchInputError(ValueError):
@@ -133,14 +130,14 @@ class BatchSummary:
 # ---- input ---------------------------------------------------------------------------------------------
 
 
-def _check_type(name: str, value: Any, types: tuple[type, ...]) -> None:
-    # bool is an int in Python; a JSON true is not a number here.
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise ValueError(f"{name}={value!r} must be of type {'/'.join(t.__name__ for t in types)}")
-
-
 def parse_input_line(
-    line: str, *, tokenizer, engine: Engine, defaults: SamplingParams, line_number: int = 0
+    line: str,
+    *,
+    tokenizer,
+    engine: Engine,
+    base_fields: Mapping[str, Any] | None = None,
+    sampling_defaults: ModelDefaults | None = None,
+    line_number: int = 0,
 ) -> BatchItem:
     """One input line -> BatchItem. Raises ValueError saying what is wrong (the caller adds the line)."""
     try:
@@ -155,40 +152,13 @@ def parse_input_line(
     request_id = obj.get("id")
     if isinstance(request_id, bool) or not isinstance(request_id, str | int) or request_id == "":
         raise ValueError(f"id={request_id!r} must be a non-empty string or an integer")
-    if ("prompt" in obj) == ("messages" in obj):
-        raise ValueError("exactly one of 'prompt' and 'messages' is required")
-
-    overrides = {}
-    for name, types in SAMPLING_FIELDS.items():
-        if name in obj:
-            _check_type(name, obj[name], types)
-            overrides[name] = obj[name]
-    if "stop" in obj:
-        stop = obj["stop"]
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop={obj['stop']!r} must be a string or a list of strings")
-        overrides["stop"] = tuple(stop)
-    sampling = dataclasses.replace(defaults, **overrides)
-
-    if "prompt" in obj:
-        prompt = obj["prompt"]
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"prompt must be a non-empty string, got {prompt!r:.40}")
-        prompt_ids = tokenizer.encode(prompt)
-    else:
-        messages = obj["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not (
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            ):
-                raise ValueError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        if not tokenizer.has_chat_template:
-            raise ValueError("messages given but this model has no chat template; use 'prompt'")
-        prompt_ids = tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
-    # sampling values, vocabulary, context length
+    fields = dict(base_fields or {}) | {k: v for k, v in obj.items() if k in _SAMPLING_KEYS}
+    sampling = parse_sampling(fields, defaults=sampling_defaults)
+    messages = obj.get("messages")
+    if messages is not None and not isinstance(messages, list):
+        raise ValueError("messages must be a list of {role, content} objects")
+    prompt_ids = encode_prompt(tokenizer, prompt=obj.get("prompt"), messages=messages)
+    # vocabulary, context length
     check_request(prompt_ids, sampling, vocab_size=tokenizer.vocab_size, max_seq_len=engine.max_seq_len)
     return BatchItem(line_number, request_id, tuple(prompt_ids), sampling, obj.get("metadata"))
 
@@ -202,7 +172,8 @@ def parse_input(
     *,
     tokenizer,
     engine: Engine,
-    defaults: SamplingParams,
+    base_fields: Mapping[str, Any] | None = None,
+    sampling_defaults: ModelDefaults | None = None,
     strict: bool = False,
     errors: IO[str] | None = None,
 ) -> tuple[list[BatchItem], int, int]:
@@ -222,8 +193,9 @@ def parse_input(
             num_lines += 1
             try:
                 item = parse_input_line(
-                    line, tokenizer=tokenizer, engine=engine, defaults=defaults, line_number=line_number
-                )
+                    line, tokenizer=tokenizer, engine=engine, base_fields=base_fields,
+                    sampling_defaults=sampling_defaults, line_number=line_number,
+                )  # fmt: skip
                 first = seen.get(_id_key(item.id))
                 if first is not None:
                     raise ValueError(f"duplicate id {item.id!r} (first on line {first})")
@@ -315,7 +287,8 @@ def run_batch(
     input_path: str | os.PathLike[str],
     output_path: str | os.PathLike[str],
     *,
-    defaults: SamplingParams,
+    base_fields: Mapping[str, Any] | None = None,
+    sampling_defaults: ModelDefaults | None = None,
     strict: bool = False,
     max_queue: int = 64,
     progress: bool = True,
@@ -323,15 +296,18 @@ def run_batch(
 ) -> BatchSummary:
     """Generates a completion for every input line whose id is not yet in the output (module docstring).
 
-    Raises BatchInputError on the first bad line under strict=True, before anything is generated.
+    base_fields: sampling fields every line starts from (the CLI flags); sampling_defaults: the
+    model's recommended values for fields neither sets. Raises BatchInputError on the first bad line
+    under strict=True, before anything is generated.
     """
     if max_queue <= 0:
         raise ValueError(f"{max_queue=} must be > 0")
-    defaults.validate()
+    parse_sampling(dict(base_fields or {})).validate()
     errors = errors if errors is not None else sys.stderr
     items, num_lines, num_bad = parse_input(
-        input_path, tokenizer=tokenizer, engine=engine, defaults=defaults, strict=strict, errors=errors
-    )
+        input_path, tokenizer=tokenizer, engine=engine, base_fields=base_fields,
+        sampling_defaults=sampling_defaults, strict=strict, errors=errors,
+    )  # fmt: skip
     done = read_done_ids(output_path)
     todo = [item for item in items if _id_key(item.id) not in done]
     summary = BatchSummary(
@@ -340,7 +316,7 @@ def run_batch(
     ttfts: list[float] = []
     tpots: list[float] = []
     writer = _ResultWriter(output_path)
-    orchestrator = Orchestrator(engine, tokenizer, max_queue=max_queue).start()
+    orchestrator = Orchestrator(engine, tokenizer, max_queue=max_queue, structured_output=False).start()
     # One collector thread per request in flight: at most every slot plus the waiting queue.
     max_in_flight = engine.num_slots + max_queue
     pool = futures.ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="jaxinfer-batch")

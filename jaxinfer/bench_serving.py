@@ -1,4 +1,7 @@
-"""Load-test a running jaxinfer gRPC server: `jaxinfer bench-serving --target HOST:PORT --result-file R.json`.
+"""Load-test a running jaxinfer server: `jaxinfer bench-serving --target HOST:PORT --result-file R.json`.
+
+Over gRPC by default; `--backend openai --target http://HOST:PORT` drives the OpenAI-compatible HTTP API
+instead (streamed POST /v1/completions of the same token-id prompts) and gives the same report.
 
 One run:
   1. Requests come from a synthetic dataset (random token ids with input and output lengths drawn
@@ -19,16 +22,19 @@ One run:
      A few warm-up requests go first and are not counted.
   3. Each request's stream is timed on the client: TTFT (send to first token), TPOT (the mean gap
      after the first token: (e2e - ttft) / (tokens - 1)), inter-token latency (each gap between
-     token-bearing chunks, split evenly over the tokens of a chunk) and E2E latency.
-  4. The summary counts completed (finish "stop" or "length") and failed requests (an RPC error or
-     any other finish; completed + failed = sent), the throughputs over the run's duration (first
-     send to last response), and mean / p50 / p90 / p95 / p99 / max of each latency; with SLOs,
-     goodput is the rate of completed requests that met every SLO. With `multi_turn`, TTFT is also
-     given per turn, and for the first turn against the later ones.
+     token-bearing chunks, split evenly over the tokens of a chunk) and E2E latency. HTTP chunks hold
+     text, not token ids: each counts as one token, and the final usage chunk gives the total.
+  4. The summary counts completed (finish "stop" or "length") and failed requests (an RPC error, an
+     HTTP status other than 200, or any other finish; completed + failed = sent), the throughputs over
+     the run's duration (first send to last response), and mean / p50 / p90 / p95 / p99 / max of each
+     latency; with SLOs, goodput is the rate of completed requests that met every SLO. With
+     `multi_turn`, TTFT is also given per turn, and for the first turn against the later ones.
 Several rates (`sweep_rates`) give one run each; the result file holds them all, and `--plot` draws
 latency CDFs and, for a sweep, throughput and p99 latencies against the offered rate. Every rate sends
 the same requests, so with a shared prefix or a multi-turn run, later rates may find the server's prefix
 cache warm from earlier ones: compare prefix caching with one rate.
+The OpenAI API has no tokenizer and returns no token ids, so `--backend openai` runs the synthetic dataset
+only (ids below the model card's vocab_size, else `--vocab-size`), without multi-turn.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ __all__ = [
     "BenchRequest",
     "Conversation",
     "LengthDistribution",
+    "OpenAIClient",
     "RequestResult",
     "add_bench_serving_args",
     "format_table",
@@ -72,6 +79,12 @@ __all__ = [
 
 PERCENTILES = (50, 90, 95, 99)
 _COMPLETED = ("stop", "length")
+BACKENDS = ("grpc", "openai")
+DEFAULT_TARGETS = {"grpc": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
+_NO_MULTI_TURN_OVER_HTTP = (
+    "multi-turn runs need the token ids of each reply, which the OpenAI API does not return: "
+    "use --backend grpc"
+)
 
 
 # ---- datasets ------------------------------------------------------------------------------------------
@@ -334,43 +347,192 @@ class RequestResult:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
 
+class _StreamTimer:
+    """Client-side timings of one stream, the same for both backends: call tokens(n, now) per token-bearing
+    chunk and end() after the stream."""
+
+    def __init__(self, result: RequestResult, t0: float):
+        self.result = result
+        self.start = time.perf_counter()
+        result.send_s = self.start - t0
+        self.last: float | None = None
+
+    def tokens(self, n: int, now: float) -> None:
+        if n <= 0:
+            return
+        if self.last is None:
+            self.result.ttft_s = now - self.start
+        else:
+            self.result.itl_s.extend([(now - self.last) / n] * n)
+        self.last = now
+        self.result.output_tokens += n
+
+    def end(self) -> None:
+        self.result.e2e_s = time.perf_counter() - self.start
+
+
 def _send(
     client, prompt_token_ids: Sequence[int], max_tokens: int, *, sampling: dict, ignore_eos: bool, timeout_s,
     t0: float,
 ) -> tuple[RequestResult, list[int]]:  # fmt: skip
-    """One streamed request: its timings, and the output token ids the server sent."""
+    """One streamed request: its timings, and the output token ids the server sent (none over HTTP)."""
+    if isinstance(client, OpenAIClient):
+        return _send_openai(
+            client, prompt_token_ids, max_tokens, sampling=sampling, ignore_eos=ignore_eos,
+            timeout_s=timeout_s, t0=t0,
+        ), []  # fmt: skip
     import grpc
 
     result = RequestResult(prompt_tokens=len(prompt_token_ids))
     output_ids: list[int] = []
-    start = time.perf_counter()
-    result.send_s = start - t0
-    last = None
+    timer = _StreamTimer(result, t0)
     try:
         stream = client.generate(
             list(prompt_token_ids), max_tokens=max_tokens, ignore_eos=ignore_eos, timeout_s=timeout_s,
             **sampling,
         )  # fmt: skip
         for chunk in stream:
-            now = time.perf_counter()
-            n = len(chunk.token_ids)
-            if n:
-                if last is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.extend([(now - last) / n] * n)
-                last = now
-                result.output_tokens += n
-                output_ids.extend(chunk.token_ids)
+            timer.tokens(len(chunk.token_ids), time.perf_counter())
+            output_ids.extend(chunk.token_ids)
             if chunk.finish_reason is not None:
                 result.finish_reason = chunk.finish_reason
-        result.e2e_s = time.perf_counter() - start
+        timer.end()
         if result.finish_reason not in _COMPLETED:
             result.error = f"finish_{result.finish_reason}"
     except grpc.RpcError as e:
         result.error = e.code().name
-        result.e2e_s = time.perf_counter() - start
+        timer.end()
     return result, output_ids
+
+
+class OpenAIClient:
+    """The benchmark's client of the OpenAI-compatible HTTP API at `base_url` (http://HOST:PORT; a missing
+    scheme means http, a trailing /v1 is dropped). One httpx.Client is shared by the dispatcher's threads."""
+
+    def __init__(self, base_url: str, *, api_key: str | None = None, connect_timeout_s: float = 10.0):
+        import httpx
+
+        url = base_url.strip().rstrip("/")
+        if "://" not in url:
+            url = "http://" + url
+        self.base_url = url.removesuffix("/v1")
+        self.connect_timeout_s = connect_timeout_s
+        self.model: str | None = None  # set by model_info()
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Each request in flight holds one HTTP/1.1 connection for its stream: no cap on the pool (httpx
+        # defaults to 100), and idle ones stay open so later requests do not pay a connect in their TTFT.
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._http = httpx.Client(
+            base_url=self.base_url, headers=headers, limits=limits,
+            timeout=httpx.Timeout(None, connect=connect_timeout_s),
+        )  # fmt: skip
+
+    def model_info(self) -> dict:
+        """The first model of GET /v1/models, as the server info (model_name, context_length and, where
+        the card gives it, vocab_size, beside the card's own fields). Raises ValueError if no OpenAI API
+        answers, it refuses the API key, or it lists no model."""
+        import httpx
+
+        try:
+            response = self._http.get("/v1/models", timeout=self.connect_timeout_s)
+        except httpx.HTTPError as e:
+            name = type(e).__name__
+            raise ValueError(f"no OpenAI-compatible server answers at {self.base_url} ({name})") from None
+        if response.status_code != 200:
+            raise ValueError(f"GET {self.base_url}/v1/models: {_http_error(response)}")
+        models = response.json().get("data") or []
+        if not models or not isinstance(models[0], dict) or not models[0].get("id"):
+            raise ValueError(f"GET {self.base_url}/v1/models lists no model")
+        card = models[0]
+        self.model = card["id"]
+        return card | {
+            "model_name": card["id"], "context_length": card.get("max_model_len"),
+            "vocab_size": card.get("vocab_size"),
+        }  # fmt: skip
+
+    def stream_completion(self, body: dict, *, timeout_s: float | None):
+        """A streamed POST /v1/completions (a context manager yielding the httpx response)."""
+        import httpx
+
+        timeout = httpx.Timeout(timeout_s, connect=self.connect_timeout_s)
+        return self._http.stream("POST", "/v1/completions", json=body, timeout=timeout)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> OpenAIClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _http_error(response) -> str:
+    """`HTTP <status>: <error.message>` of a failed response (the body's text if it is not OpenAI's)."""
+    response.read()
+    try:
+        message = response.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        message = response.text[:200]
+    return f"HTTP {response.status_code}: {message}"
+
+
+def _send_openai(
+    client: OpenAIClient, prompt_token_ids: Sequence[int], max_tokens: int, *, sampling: dict,
+    ignore_eos: bool, timeout_s: float | None, t0: float,
+) -> RequestResult:  # fmt: skip
+    """_send over HTTP: server-sent events of text chunks, then a usage chunk and `data: [DONE]`."""
+    import httpx
+
+    result = RequestResult(prompt_tokens=len(prompt_token_ids))
+    body = {
+        "model": client.model, "prompt": list(prompt_token_ids), "max_tokens": max_tokens,
+        "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True},
+    } | {k: v for k, v in sampling.items() if v is not None}  # fmt: skip
+    timer = _StreamTimer(result, t0)
+    deadline = None if timeout_s is None else timer.start + timeout_s
+    usage_tokens = None
+    try:
+        with client.stream_completion(body, timeout_s=timeout_s) as response:
+            if response.status_code != 200:
+                result.error = _http_error(response)
+            else:
+                for line in response.iter_lines():
+                    now = time.perf_counter()
+                    if deadline is not None and now > deadline:  # httpx times single reads only
+                        result.error = "timeout"
+                        break
+                    if not line.startswith("data:"):
+                        continue  # the blank line after each event, comments
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        break
+                    event = json.loads(data)
+                    if "error" in event:  # the server failed the request after the 200
+                        error = event["error"]
+                        message = error.get("message") if isinstance(error, dict) else error
+                        result.error = f"stream error: {message}"
+                        break
+                    if event.get("usage"):
+                        usage_tokens = event["usage"].get("completion_tokens")
+                    for choice in event.get("choices") or ():
+                        # One chunk per engine event with new tokens (its text may be empty: a special
+                        # token, a partial character), the last one with the finish.
+                        timer.tokens(1, now)
+                        if choice.get("finish_reason") is not None:
+                            result.finish_reason = choice["finish_reason"]
+        if usage_tokens is not None:
+            result.output_tokens = usage_tokens  # a chunk may hold several tokens
+        timer.end()
+        if result.error is None and result.finish_reason not in _COMPLETED:
+            result.error = f"finish_{result.finish_reason}"
+    except httpx.TimeoutException:
+        result.error = "timeout"
+        timer.end()
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = type(e).__name__
+        timer.end()
+    return result
 
 
 def _dispatch(
@@ -439,8 +601,9 @@ def run_load(
     timeout_s: float | None = None,
     duration_s: float | None = None,
 ) -> tuple[list[RequestResult], float]:
-    """Sends `requests` through `client` (an InferenceClient); returns (results of the sent ones, seconds
-    from the first send to the last response). duration_s stops sending new requests after that long."""
+    """Sends `requests` through `client` (an InferenceClient or OpenAIClient); returns (results of the
+    sent ones, seconds from the first send to the last response). duration_s stops sending new requests
+    after that long."""
     options = dict(sampling=sampling or {}, ignore_eos=ignore_eos, timeout_s=timeout_s)
 
     def one(index: int, request: BenchRequest, t0: float) -> list[RequestResult]:
@@ -469,6 +632,8 @@ def run_conversations(
     max_concurrency while it sends its turns one after the other (see Conversation). Results carry their
     conversation index and turn; a failed turn ends its conversation. on_turn(conversation, turn,
     prompt_token_ids, output_token_ids) is called after each turn (for tests and logs)."""
+    if isinstance(client, OpenAIClient):
+        raise ValueError(_NO_MULTI_TURN_OVER_HTTP)
     options = dict(sampling=sampling or {}, ignore_eos=ignore_eos, timeout_s=timeout_s)
 
     def converse(index: int, conversation: Conversation, t0: float) -> list[RequestResult]:
@@ -569,7 +734,10 @@ def summarize(
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
-    target: str = "127.0.0.1:50051"
+    target: str | None = None  # default: DEFAULT_TARGETS[backend]
+    backend: str = "grpc"  # or "openai": the OpenAI-compatible HTTP API at the base URL `target`
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # kept out of reprs and results
+    vocab_size: int | None = None  # synthetic prompt ids are drawn below it (default: the server's)
     dataset: str = "synthetic"  # or "sharegpt"
     dataset_path: str | None = None
     num_prompts: int = 100
@@ -592,6 +760,19 @@ class BenchConfig:
     connect_timeout_s: float = 10.0
 
     def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} must be one of {BACKENDS}")
+        if self.target is None:
+            object.__setattr__(self, "target", DEFAULT_TARGETS[self.backend])
+        if self.vocab_size is not None and self.vocab_size <= 0:
+            raise ValueError(f"{self.vocab_size=} must be > 0")
+        if self.backend == "openai" and self.dataset != "synthetic":
+            raise ValueError(
+                "the sharegpt dataset needs the server's tokenizer, which the OpenAI API does not offer: "
+                "use --backend grpc"
+            )
+        if self.backend == "openai" and self.multi_turn > 1:
+            raise ValueError(_NO_MULTI_TURN_OVER_HTTP)
         if self.dataset not in ("synthetic", "sharegpt"):
             raise ValueError(f"dataset={self.dataset!r} must be synthetic or sharegpt")
         if self.dataset == "sharegpt" and not self.dataset_path:
@@ -607,6 +788,7 @@ class BenchConfig:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
+        del d["api_key"]  # a secret: result files get shared
         d["input_len"], d["output_len"] = str(self.input_len), str(self.output_len)
         d["turn_input_len"] = str(self.turn_input_len)
         d["request_rates"] = [_rate_json(r) for r in self.request_rates]
@@ -618,16 +800,28 @@ def _rate_json(rate: float) -> float | str:
 
 
 def _connect(config: BenchConfig):
+    """(client, server info) for config.backend; raises ValueError if the server does not answer."""
+    if config.backend == "openai":
+        client = OpenAIClient(
+            config.target, api_key=config.api_key, connect_timeout_s=config.connect_timeout_s
+        )
+        try:
+            return client, client.model_info()
+        except BaseException:
+            client.close()
+            raise
     import grpc
 
     from jaxinfer.client import InferenceClient
 
-    client = InferenceClient(config.target)
+    client = InferenceClient(config.target, api_key=config.api_key)
     try:
         grpc.channel_ready_future(client._channel).result(timeout=config.connect_timeout_s)
         info = client.model_info()
     except (grpc.FutureTimeoutError, grpc.RpcError) as e:
         client.close()
+        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.UNAUTHENTICATED:
+            raise ValueError(f"the server at {config.target} refused the API key ({e.details()})") from None
         raise ValueError(f"no jaxinfer server answers at {config.target} ({type(e).__name__})") from None
     return client, info
 
@@ -637,8 +831,15 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] | None = No
     log = log or (lambda message: None)
     client, info = _connect(config)
     try:
+        log(f"backend {config.backend}: {config.target}, model {info.get('model_name')}")
         context = int(info.get("context_length") or 0)
-        vocab_size = int(info["vocab_size"])
+        vocab_size = int(config.vocab_size or info.get("vocab_size") or 0)
+        if not vocab_size:  # the OpenAI model card need not say
+            raise ValueError(
+                f"the server at {config.target} does not give its vocabulary size: pass --vocab-size"
+            )
+        if context < 2:
+            raise ValueError(f"the server at {config.target} gives no usable context length ({context})")
         total = config.num_prompts + config.warmup_requests
         if config.shared_prefix_len:
             shared = dict(vocab_size=vocab_size, context_length=context)
@@ -671,8 +872,10 @@ def run_benchmark(config: BenchConfig, *, log: Callable[[str], None] | None = No
                 measured, config.multi_turn, config.turn_input_len, config.output_len,
                 vocab_size=vocab_size, context_length=context, seed=config.seed,
             )  # fmt: skip
+        # The same sampling fields go to both backends (they have the same names in OpenAI's API).
         load = dict(
-            max_concurrency=config.max_concurrency, sampling={"temperature": config.temperature},
+            max_concurrency=config.max_concurrency,
+            sampling={"temperature": config.temperature, "seed": config.seed},
             ignore_eos=config.ignore_eos, timeout_s=config.timeout_s,
         )  # fmt: skip
         if warmup:
@@ -804,7 +1007,21 @@ def plot_results(result: dict, prefix: str | os.PathLike[str]) -> list[Path]:
 
 
 def add_bench_serving_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="127.0.0.1:50051", help="host:port of a running jaxinfer server")
+    p.add_argument(
+        "--backend", choices=BACKENDS, default="grpc",
+        help="grpc: the gRPC API; openai: the OpenAI-compatible HTTP API (jaxinfer serve --http-port)",
+    )  # fmt: skip
+    p.add_argument(
+        "--target", default=None,
+        help="grpc: host:port of a running jaxinfer server (default 127.0.0.1:50051); openai: its HTTP base "
+        "URL (default http://127.0.0.1:8000)",
+    )  # fmt: skip
+    p.add_argument("--api-key", default=None, help="the server's API key (default: $JAXINFER_API_KEY)")
+    p.add_argument(
+        "--vocab-size", type=int, default=None,
+        help="draw synthetic prompt ids below N (default: the server's vocab_size; the OpenAI API's model "
+        "card may not give it)",
+    )  # fmt: skip
     p.add_argument("--result-file", default="bench_serving.json", help="where the JSON result goes")
     p.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic")
     p.add_argument("--dataset-path", default=None, help="ShareGPT-style JSON/JSONL (--dataset sharegpt)")
@@ -846,7 +1063,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     else:
         rates = (args.request_rate,)
     return BenchConfig(
-        target=args.target, dataset=args.dataset, dataset_path=args.dataset_path,
+        target=args.target, backend=args.backend, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
+        vocab_size=args.vocab_size, dataset=args.dataset, dataset_path=args.dataset_path,
         num_prompts=args.num_prompts, input_len=LengthDistribution.parse(args.input_len),
         output_len=LengthDistribution.parse(args.output_len), max_output_len=args.max_output_len,
         shared_prefix_len=args.shared_prefix_len, multi_turn=args.multi_turn,

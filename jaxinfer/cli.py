@@ -81,17 +81,34 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--top-k", type=int, default=40, help="0 disables")
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+_MODEL_DEFAULT = " (default: the model's recommended value, else %(off)s)"
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    """Unset flags take the model's recommended values (request.py); the flags are request fields."""
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, help="0 is greedy" + _MODEL_DEFAULT % {"off": "1"})
+    p.add_argument("--top-p", type=float, help=_MODEL_DEFAULT % {"off": "1, off"})
+    p.add_argument("--top-k", type=int, help=_MODEL_DEFAULT % {"off": "0, off"})
+    p.add_argument("--min-p", type=float, help=_MODEL_DEFAULT % {"off": "0, off"})
+    p.add_argument("--repetition-penalty", type=float, help=_MODEL_DEFAULT % {"off": "1, off"})
+    p.add_argument("--presence-penalty", type=float)
+    p.add_argument("--frequency-penalty", type=float)
+    p.add_argument("--seed", type=int, help="default: a random seed")
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", default=None)
+    p.add_argument("--logprobs", type=int, help="return log-probabilities with this many alternatives (json)")
+
+
+_SAMPLING_FLAGS = (
+    "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "seed", "stop", "ignore_eos", "logprobs",
+)  # fmt: skip
+
+
+def _sampling_fields(args: argparse.Namespace) -> dict:
+    """The sampling flags the user set, by request.py's field names."""
+    return {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
 
 
 def _runtime_options(args: argparse.Namespace):
@@ -126,46 +143,27 @@ def _runtime_options(args: argparse.Namespace):
     )
 
 
-def _sampling(args: argparse.Namespace):
-    from jaxinfer.request import SamplingParams
-
-    s = SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        seed=args.seed,
-        max_tokens=args.max_tokens,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
-    s.validate()
-    return s
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer.generate import generate
-    from jaxinfer.request import check_request
+    from jaxinfer.request import check_request, encode_prompt, parse_sampling
     from jaxinfer.runtime import build_runtime
 
-    sampling = _sampling(args)
+    fields = _sampling_fields(args)
+    parse_sampling(fields).validate()  # a bad flag fails before the model loads
     if args.slots is None:
         args.slots = max(1, len(args.prompt))
     runtime = build_runtime(_runtime_options(args))
+    sampling = parse_sampling(fields, defaults=runtime.sampling_defaults)
     tok = runtime.tokenizer
     prompts = []
     for text in args.prompt:
-        if not text:
-            raise UserError("the prompt is empty")
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": text}
             ]
-            prompts.append(tok.encode_chat(messages))
+            prompts.append(encode_prompt(tok, messages=messages))
         else:
-            prompts.append(tok.encode(text))
+            prompts.append(encode_prompt(tok, prompt=text))
     stream = args.output == "text" and len(prompts) == 1
 
     def on_text(index: int, text: str) -> None:
@@ -193,7 +191,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         r = results[0]
         print(
             f"[{runtime.config.arch}: {len(r.prompt_token_ids)} prompt tokens, {len(r.token_ids)} generated "
-            f"({r.finish_reason}); TTFT {r.ttft_s * 1e3:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s decode; "
+            f"({r.finish_reason}, seed {sampling.seed}); TTFT {r.ttft_s * 1e3:.0f} ms, "
+            f"{r.decode_tokens_per_s:.1f} tok/s decode; "
             f"load {runtime.load_seconds:.1f}s, compile {compile_s:.1f}s, generate {wall:.1f}s]",
             file=sys.stderr,
         )
@@ -209,6 +208,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.loading import load_model, save_checkpoint
+    from jaxinfer.loading.sampling_defaults import sampling_defaults
     from jaxinfer.quantization import quantize_params, weight_bytes
     from jaxinfer.runtime import load_tokenizer
 
@@ -216,7 +216,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.output)
     before = weight_bytes(loaded.params)
     params = quantize_params(loaded.params, args.quantize)
-    extra = {"source": str(loaded.path), "kind": loaded.kind}
+    defaults = sampling_defaults(args.model, loaded.kind, loaded.path)
+    extra = {"source": str(loaded.path), "kind": loaded.kind, "sampling_defaults": defaults.to_json()}
     save_checkpoint(out, loaded.config, params, extra=extra)
     load_tokenizer(loaded).save(os.path.join(out, "tokenizer"))
     print(
@@ -230,9 +231,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from jaxinfer import multihost
     from jaxinfer.orchestrator import Orchestrator
     from jaxinfer.runtime import build_runtime
-    from jaxinfer.service import serve_forever
+    from jaxinfer.service import TlsFiles, serve_forever
 
     log = logging.getLogger("jaxinfer.serve")
+    api_key = args.api_key or os.environ.get("JAXINFER_API_KEY") or None
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together")
+    tls = None
+    if args.tls_cert is not None:
+        for path in (args.tls_cert, args.tls_key):
+            if not os.path.isfile(path):
+                raise UserError(f"no such file: {path}")
+        tls = TlsFiles(args.tls_cert, args.tls_key)
     cluster = None
     if args.coordinator:
         # Before anything touches a device: every process must join the cluster first.
@@ -254,8 +264,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         info = runtime.model_info()
         return serve_forever(
-            orchestrator, runtime.tokenizer, info,
-            host=args.host, port=args.port, metrics_port=args.metrics_port, grace_s=args.grace,
+            orchestrator, runtime.tokenizer, info, grace_s=args.grace,
+            host=args.host, port=args.port, metrics_port=args.metrics_port, http_port=args.http_port,
+            api_key=api_key, tls=tls, sampling_defaults=runtime.sampling_defaults,
         )  # fmt: skip
 
     if cluster is None:
@@ -269,9 +280,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_batch(args: argparse.Namespace) -> int:
     from jaxinfer.batch import run_batch
+    from jaxinfer.request import parse_sampling
     from jaxinfer.runtime import build_runtime
 
-    defaults = _sampling(args)
+    fields = _sampling_fields(args)
+    parse_sampling(fields).validate()  # a bad flag fails before the model loads
     if not os.path.exists(args.input):
         raise UserError(f"no such input file: {args.input}")
     runtime = build_runtime(_runtime_options(args))
@@ -279,7 +292,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         runtime.engine.warmup()  # compile every bucket now, so the progress bar's rate and ETA hold
     summary = run_batch(
         runtime.engine, runtime.tokenizer, args.input, args.output,
-        defaults=defaults, strict=args.strict, max_queue=args.max_queue, progress=not args.no_progress,
+        base_fields=fields, sampling_defaults=runtime.sampling_defaults, strict=args.strict,
+        max_queue=args.max_queue, progress=not args.no_progress,
     )  # fmt: skip
     print(summary.format(), file=sys.stderr)
     if args.summary_json:
@@ -301,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for prompts")
     _add_runtime_args(g, slots=None)
-    _add_sampling_args(g)
+    _add_sampling_args(g, max_tokens=128)
     g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     g.add_argument("--system", default=None, help="system message for --chat")
     g.add_argument("--output", choices=["text", "json"], default="text")
@@ -316,6 +330,17 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="0.0.0.0")
     sv.add_argument("--port", type=int, default=50051)
     sv.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port")
+    sv.add_argument(
+        "--http-port", type=int, default=None,
+        help="serve the OpenAI-compatible HTTP API (/v1/chat/completions ...) on this port too",
+    )  # fmt: skip
+    sv.add_argument(
+        "--api-key", default=None,
+        help="require 'Authorization: Bearer KEY' (HTTP) / authorization metadata (gRPC); default: "
+        "$JAXINFER_API_KEY, else none",
+    )  # fmt: skip
+    sv.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC and HTTP over TLS")
+    sv.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     sv.add_argument("--max-queue", type=int, default=64, help="waiting requests before RESOURCE_EXHAUSTED")
     sv.add_argument("--grace", type=float, default=10.0, help="seconds to finish streams on SIGTERM")
     sv.add_argument("--coordinator", default=None, help="HOST:PORT of process 0 for multi-host serving")
@@ -328,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bt = sub.add_parser("batch", help="offline generation from a JSONL file into a JSONL file (resumable)")
     _add_runtime_args(bt, slots=8)
-    _add_sampling_args(bt)
+    _add_sampling_args(bt, max_tokens=None)
     bt.add_argument("input", help="JSONL: one {id, prompt | messages, [max_tokens, sampling...]} per line")
     bt.add_argument("output", help="JSONL results; ids already in it are skipped (resume)")
     bt.add_argument("--strict", action="store_true", help="a bad input line stops the run (exit 2)")

@@ -48,6 +48,8 @@ class PrefillChunk:
     # Output tokens already produced: a preempted request recomputes its prompt and output and goes on
     # from there (max_tokens and the sampling key count from it).
     num_generated: int = 0
+    # [ceil(vocab / 32)] int32: the tokens the sampled token may be (structured output); None: any.
+    token_mask: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,10 +60,13 @@ class DecodeBatch:
                 far); -1 leaves the slot out of the step.
     page_table: [num_slots, pages] int32: each slot's pages in position order, covering its position;
                 entries past a request's pages are the null page (kv_cache.NULL_PAGE).
+    token_mask: [num_slots, ceil(vocab / 32)] int32 bitmasks of the tokens each slot may sample
+                (structured output; a row of -1 allows all), or None when no slot is constrained.
     """
 
     positions: np.ndarray
     page_table: np.ndarray
+    token_mask: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,12 +77,18 @@ class StepOutput:
     valid:  the slot was active at this step and produced `token`.
     done:   this token ended the request on the device: a stop token id, max_tokens, or the context end.
     reason: why it ended (FINISH_* codes below) where done.
+    logprob, top_ids, top_logprobs: the token's log-probability [num_slots] float32 and the
+            MAX_TOP_LOGPROBS most likely tokens [num_slots, MAX_TOP_LOGPROBS] (ids int32, float32);
+            meaningful only for slots whose request asked for log-probabilities.
     """
 
     token: np.ndarray
     valid: np.ndarray
     done: np.ndarray
     reason: np.ndarray
+    logprob: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
 
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2

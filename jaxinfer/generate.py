@@ -2,8 +2,9 @@
 
 The same Scheduler as the server decides admission, chunking, pages, preemption and stops; this loop
 only runs it: schedule step n+1, dispatch it, then read step n's results while the device works, so
-the device never idles on the host's detokenisation. The threaded server (orchestrator.py) runs the
-same three calls behind queues.
+the device never idles on the host's detokenisation (a request with structured output needs each step
+read before the next is planned). The threaded server (orchestrator.py) runs the same three calls
+behind queues.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from jaxinfer.engine import Engine
-from jaxinfer.request import SamplingParams, check_request, with_eos
-from jaxinfer.scheduler import Scheduler, dispatch
+from jaxinfer.request import FinishReason, SamplingParams, check_request, with_eos
+from jaxinfer.scheduler import InFlight, RequestOutput, Scheduler, TokenLogprobs, dispatch
+from jaxinfer.structured_output import GrammarCompiler
 from jaxinfer.tokenizer import Tokenizer
 
 
@@ -23,12 +25,13 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" | "length"
+    finish_reason: FinishReason | None = None
     ttft_s: float = 0.0
     tpot_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # when asked for
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -64,6 +67,7 @@ def generate(
         max_queue=max(1, len(prompts)),
         enable_prefix_caching=enable_prefix_caching,
         detokenizer_factory=tokenizer.detokenizer,
+        grammar_compiler=GrammarCompiler(tokenizer) if any(s.structured_output for s in sampling) else None,
     )
     for index, (ids, s) in enumerate(zip(prompts, sampling)):
         scheduler.add_request(str(index), ids, with_eos(s, tokenizer.eos_ids))
@@ -71,8 +75,31 @@ def generate(
     timings = [_Timing() for _ in prompts]
     start = time.perf_counter()
 
+    def read(step: InFlight) -> None:
+        outputs: list[RequestOutput] = scheduler.update_from_output(step.plan, *step.results())
+        now = time.perf_counter()
+        for out in outputs:
+            index = int(out.request_id)
+            c, timing = results[index], timings[index]
+            if out.new_token_ids:
+                timing.first = timing.first or now
+                timing.last = now
+            c.token_ids.extend(out.new_token_ids)
+            c.text += out.new_text
+            c.logprobs.extend(out.new_logprobs)
+            c.num_cached_tokens = out.num_cached_tokens
+            if out.new_text and on_text is not None:
+                on_text(index, out.new_text)
+            if out.finish_reason is not None:
+                c.finish_reason = out.finish_reason
+                _record_timings(c, timing, start)
+
     in_flight = None
     while scheduler.has_work() or in_flight is not None:
+        if in_flight is not None and scheduler.needs_results_first():
+            read(in_flight)
+            in_flight = None
+            continue
         plan = scheduler.schedule()
         now = time.perf_counter()
         for request_id in plan.admitted_request_ids:
@@ -80,22 +107,7 @@ def generate(
             timing.admitted = timing.admitted or now
         following = dispatch(engine, plan)
         if in_flight is not None:
-            outputs = scheduler.update_from_output(in_flight.plan, *in_flight.results())
-            now = time.perf_counter()
-            for out in outputs:
-                index = int(out.request_id)
-                c, timing = results[index], timings[index]
-                if out.new_token_ids:
-                    timing.first = timing.first or now
-                    timing.last = now
-                c.token_ids.extend(out.new_token_ids)
-                c.text += out.new_text
-                c.num_cached_tokens = out.num_cached_tokens
-                if out.new_text and on_text is not None:
-                    on_text(index, out.new_text)
-                if out.finish_reason is not None:
-                    c.finish_reason = out.finish_reason
-                    _record_timings(c, timing, start)
+            read(in_flight)
         in_flight = following
     return results
 

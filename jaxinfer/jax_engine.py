@@ -35,8 +35,8 @@ from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS, native_decode_attention
 from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.model import forward
 from jaxinfer.params import Params
-from jaxinfer.request import SamplingParams
-from jaxinfer.sampling import SlotSampling, sample, split_seed
+from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
+from jaxinfer.sampling import ALLOW_ALL, SlotSampling, sample, split_seed, token_logprobs
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class DecodeState:
     max_tokens: jax.Array  # int32
     stop_ids: jax.Array  # int32 [slots, MAX_STOP_IDS], -1 padded
     sampling: SlotSampling
-    seen: jax.Array  # bool [slots, vocab]: tokens of the prompt and output, for penalties
+    counts: jax.Array  # int32 [slots, vocab]: occurrences in the prompt and output, for penalties
 
 
 def _finish(
@@ -74,9 +74,22 @@ def _finish(
     return hit_stop | too_long, reason.astype(jnp.int32)
 
 
-def _pack(token, valid, done, reason) -> jax.Array:
-    """One [n, 4] int32 array per step: copying one array to the host beats four."""
-    return jnp.stack([token, valid.astype(jnp.int32), done.astype(jnp.int32), reason], axis=-1)
+PACKED_WIDTH = 5 + 2 * MAX_TOP_LOGPROBS
+
+
+def _pack(token, valid, done, reason, logprobs) -> jax.Array:
+    """One [n, PACKED_WIDTH] int32 array per step (copying one array to the host beats several):
+    token, valid, done, reason, the token's log-probability, the top ids, their log-probabilities
+    (floats as their int32 bits)."""
+    chosen, top_vals, top_ids = logprobs
+
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+
+    flags = jnp.stack([token, valid.astype(jnp.int32), done.astype(jnp.int32), reason, bits(chosen)], -1)
+    pad = MAX_TOP_LOGPROBS - top_ids.shape[-1]  # a vocabulary smaller than MAX_TOP_LOGPROBS
+    top_ids, top_vals = (jnp.pad(a, ((0, 0), (0, pad))) for a in (top_ids, bits(top_vals)))
+    return jnp.concatenate([flags, top_ids, top_vals], axis=-1)
 
 
 def _prefill_step(
@@ -85,7 +98,8 @@ def _prefill_step(
     tokens: jax.Array,  # [1, T] int32, padded
     chunk: jax.Array,  # int32 [5]: slot, start, true_len, is_last, num_generated
     page_row: jax.Array,  # [1, N] int32: the request's first N pages
-    seen_row: jax.Array,  # [1, vocab] bool: every token the request has seen (read when is_last)
+    counts_row: jax.Array,  # [1, vocab] int32: the tokens the request has seen (read when is_last)
+    mask_row: jax.Array,  # [1, ceil(vocab / 32)] int32: tokens its first output may be (sampling.py)
     settings: SlotSampling,  # this request's settings, arrays of shape [1]
     max_tokens: jax.Array,  # [1] int32
     stop_ids: jax.Array,  # [1, MAX_STOP_IDS] int32
@@ -103,7 +117,8 @@ def _prefill_step(
         params, config, tokens, positions, state.cache, page_row,
         logits_index=jnp.maximum(true_len - 1, 0)[None], kernels=kernels,
     )  # fmt: skip
-    token = sample(logits, seen_row, settings, num_generated[None])  # [1]
+    token = sample(logits, counts_row, settings, num_generated[None], mask_row)  # [1]
+    logprobs = token_logprobs(logits, token, settings, MAX_TOP_LOGPROBS)
     length = start + true_len
     generated = num_generated + 1
     done, reason = _finish(stop_ids, max_tokens, token, generated[None], length[None], max_len)
@@ -119,11 +134,11 @@ def _prefill_step(
         max_tokens=put(state.max_tokens, max_tokens[0]),
         stop_ids=put(state.stop_ids, stop_ids[0]),
         sampling=jax.tree.map(lambda f, v: f.at[slot].set(v[0]), state.sampling, settings),
-        seen=put(state.seen, seen_row[0].at[token[0]].set(True)),
+        counts=put(state.counts, counts_row[0].at[token[0]].add(1)),
     )
     num_slots = state.tokens.shape[0]
-    row = jnp.stack([token[0], is_last.astype(jnp.int32), done[0].astype(jnp.int32), reason[0]])
-    out = jnp.zeros((num_slots, 4), jnp.int32).at[slot].set(row)
+    row = _pack(token, is_last[None], done, reason, logprobs)
+    out = jnp.zeros((num_slots, PACKED_WIDTH), jnp.int32).at[slot].set(row[0])
     return state, out
 
 
@@ -132,6 +147,7 @@ def _decode_step(
     state: DecodeState,
     positions: jax.Array,  # [R] int32: each row's input position, -1 for rows left out
     page_table: jax.Array,  # [R, N] int32
+    mask: jax.Array,  # [R, ceil(vocab / 32)] int32: tokens each row may sample (sampling.py)
     *,
     config: ModelConfig,
     kernels: KernelConfig,
@@ -149,8 +165,9 @@ def _decode_step(
         logits_index=jnp.zeros(n, jnp.int32), kernels=kernels,
     )  # fmt: skip
     sampling = jax.tree.map(lambda a: a[:n], state.sampling)
-    seen = state.seen[:n]
-    token = sample(logits, seen, sampling, state.generated[:n])
+    counts = state.counts[:n]
+    token = sample(logits, counts, sampling, state.generated[:n], mask)
+    logprobs = token_logprobs(logits, token, sampling, MAX_TOP_LOGPROBS)
     generated = state.generated[:n] + 1
     done, reason = _finish(state.stop_ids[:n], state.max_tokens[:n], token, generated, positions + 1, max_len)
     done &= active
@@ -164,11 +181,11 @@ def _decode_step(
         tokens=put(state.tokens, jnp.where(active, token, state.tokens[:n])),
         generated=put(state.generated, jnp.where(active, generated, state.generated[:n])),
         active=put(state.active, state.active[:n] & ~done),
-        seen=put(state.seen, seen.at[rows, token].set(seen[rows, token] | active)),
+        counts=put(state.counts, counts.at[rows, token].add(active.astype(jnp.int32))),
     )
-    packed = _pack(token, active, done, reason)
+    packed = _pack(token, active, done, reason, logprobs)
     if n < num_slots:
-        packed = jnp.concatenate([packed, jnp.zeros((num_slots - n, 4), jnp.int32)])
+        packed = jnp.concatenate([packed, jnp.zeros((num_slots - n, PACKED_WIDTH), jnp.int32)])
     return state, packed
 
 
@@ -196,13 +213,16 @@ class _Pending(api.PendingStep):
 
     def result(self) -> api.StepOutput:
         if self._output is None:
-            rows = np.zeros_like(np.asarray(self._packed[0])) if self._packed else np.zeros((0, 4), np.int32)
+            rows = np.zeros_like(np.asarray(self._packed[0]))
             for array in self._packed:  # prefill: one array per chunk, each valid only in its slot's row
                 host = np.asarray(array)
                 rows = np.where(host[:, 1:2] == 1, host, rows)
+            k = MAX_TOP_LOGPROBS
             self._output = api.StepOutput(
-                token=rows[:, 0], valid=rows[:, 1] == 1, done=rows[:, 2] == 1, reason=rows[:, 3]
-            )
+                token=rows[:, 0], valid=rows[:, 1] == 1, done=rows[:, 2] == 1, reason=rows[:, 3],
+                logprob=rows[:, 4].view(np.float32), top_ids=rows[:, 5 : 5 + k],
+                top_logprobs=rows[:, 5 + k :].view(np.float32),
+            )  # fmt: skip
         return self._output
 
 
@@ -252,6 +272,7 @@ class JaxEngine(api.Engine):
         self._row_buckets = power_of_two_buckets(1, slots) if prefix_ok else (slots,)
         self.state = self._init_state()
         self._programs: dict[tuple, object] = {}
+        self._allow_all: dict[int, jax.Array] = {}
         self.compile_count = 0
         self._warm = False
 
@@ -302,9 +323,11 @@ class JaxEngine(api.Engine):
                 min_p=vec(0, np.float32),
                 repetition_penalty=vec(1, np.float32),
                 presence_penalty=vec(0, np.float32),
+                frequency_penalty=vec(0, np.float32),
+                num_logprobs=vec(-1, np.int32),
                 seed=mat(0, np.uint32, 2),
             ),
-            seen=mat(False, bool, c.vocab_size),
+            counts=mat(0, np.int32, c.vocab_size),
         )
 
     def _state_shardings(self):
@@ -326,6 +349,25 @@ class JaxEngine(api.Engine):
             self.compile_count += 1
             log.debug("compiled %s in %.2fs", key, time.perf_counter() - start)
         return program
+
+    def _mask_rows(self, masks: np.ndarray | None, rows: int) -> jax.Array:
+        """Token masks [rows, words] in the model's vocabulary width, replicated: tokens a shorter
+        tokenizer vocabulary lacks are never allowed to a constrained row. Without masks, a cached
+        allow-all array, so nothing crosses to the device."""
+        words = (self.config.vocab_size + 31) // 32
+        replicated = NamedSharding(self.mesh, P())
+        if masks is None:
+            if rows not in self._allow_all:
+                allow_all = np.full((rows, words), ALLOW_ALL, np.int32)
+                self._allow_all[rows] = jax.device_put(allow_all, replicated)
+            return self._allow_all[rows]
+        out = np.full((rows, words), ALLOW_ALL, np.int32)
+        given = np.asarray(masks, np.int32)[:rows]
+        width = min(words, given.shape[1])
+        constrained = ~np.all(given == ALLOW_ALL, axis=1)
+        out[: len(given)][constrained] = 0
+        out[: len(given), :width] = np.where(constrained[:, None], given[:, :width], ALLOW_ALL)
+        return jax.device_put(out, replicated)
 
     def _pages(self, positions: int) -> int:
         return -(-positions // self.page_size)
@@ -389,16 +431,20 @@ class JaxEngine(api.Engine):
         page_row = np.zeros((1, pages), np.int32)
         page_ids = chunk.page_ids[:pages]
         page_row[0, : len(page_ids)] = page_ids
-        seen_row = np.zeros((1, self.config.vocab_size), bool)
+        counts_row = np.zeros((1, self.config.vocab_size), np.int32)
         if chunk.is_last:
-            seen_row[0, list(chunk.prompt_token_ids)] = True
+            counts_row[0] = np.bincount(
+                np.asarray(chunk.prompt_token_ids, np.int64), minlength=self.config.vocab_size
+            )[: self.config.vocab_size]
+        mask_row = self._mask_rows(None if chunk.token_mask is None else chunk.token_mask[None], 1)
         args = (
             self.params,
             self.state,
             tokens,
             np.array([chunk.slot, chunk.start, n, int(chunk.is_last), chunk.num_generated], np.int32),
             page_row,
-            seen_row,
+            counts_row,
+            mask_row,
             _settings(s),
             np.array([s.max_tokens], np.int32),
             _stop_row(s.stop_token_ids),
@@ -416,7 +462,7 @@ class JaxEngine(api.Engine):
         page_table = np.zeros((rows, pages), np.int32)
         width = min(pages, batch.page_table.shape[1])
         page_table[:, :width] = batch.page_table[:rows, :width]
-        args = (self.params, self.state, positions, page_table)
+        args = (self.params, self.state, positions, page_table, self._mask_rows(batch.token_mask, rows))
         self.state, packed = self._program(("decode", pages, rows), args)(*args)
         return _Pending([packed])
 
@@ -425,8 +471,8 @@ class JaxEngine(api.Engine):
         padding writes go to the null page), not the last one, so the slot stays inactive."""
         return (
             self.params, self.state, np.zeros((1, t), np.int32), np.zeros(5, np.int32),
-            np.zeros((1, pages), np.int32), np.zeros((1, self.config.vocab_size), bool),
-            _settings(SamplingParams()), np.ones(1, np.int32), _stop_row(()),
+            np.zeros((1, pages), np.int32), np.zeros((1, self.config.vocab_size), np.int32),
+            self._mask_rows(None, 1), _settings(SamplingParams()), np.ones(1, np.int32), _stop_row(()),
         )  # fmt: skip
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int = 0) -> float:
@@ -468,7 +514,8 @@ class JaxEngine(api.Engine):
             self.state, _ = self._program(("prefill", t, pages), args)(*args)
         for pages, rows in sorted(decode):
             args = (
-                self.params, self.state, np.full(rows, -1, np.int32), np.zeros((rows, pages), np.int32)
+                self.params, self.state, np.full(rows, -1, np.int32), np.zeros((rows, pages), np.int32),
+                self._mask_rows(None, rows),
             )  # fmt: skip
             self.state, _ = self._program(("decode", pages, rows), args)(*args)
         jax.block_until_ready(self.state)
@@ -484,6 +531,8 @@ def _settings(s: SamplingParams) -> SlotSampling:
         min_p=np.array([s.min_p], np.float32),
         repetition_penalty=np.array([s.repetition_penalty], np.float32),
         presence_penalty=np.array([s.presence_penalty], np.float32),
+        frequency_penalty=np.array([s.frequency_penalty], np.float32),
+        num_logprobs=np.array([-1 if s.logprobs is None else s.logprobs], np.int32),
         seed=np.array([split_seed(s.seed)], np.uint32),
     )
 

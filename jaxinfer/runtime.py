@@ -21,6 +21,7 @@ from jaxinfer.kv_cache import bytes_per_page
 from jaxinfer.loading import LoadedModel, ModelLoadError, load_gguf, load_model
 from jaxinfer.loading.gguf_loader import open_gguf
 from jaxinfer.loading.orbax_checkpoint import MODEL_FILE
+from jaxinfer.loading.sampling_defaults import sampling_defaults
 from jaxinfer.params import fuse_projections
 from jaxinfer.quantization import (
     add_bf16_copies,
@@ -30,6 +31,7 @@ from jaxinfer.quantization import (
     weight_bytes,
 )
 from jaxinfer.registry import DEFAULT_MODEL, resolve_model
+from jaxinfer.request import ModelDefaults
 from jaxinfer.sharding import TENSOR, make_mesh, param_placement
 from jaxinfer.tokenizer import Tokenizer
 
@@ -76,6 +78,7 @@ class Runtime:
     model: LoadedModel
     options: RuntimeOptions
     load_seconds: float
+    sampling_defaults: ModelDefaults = dataclasses.field(default_factory=ModelDefaults)
 
     @property
     def config(self) -> ModelConfig:
@@ -264,6 +267,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     quantize = resolve_quantize(options.quantize, jax.default_backend())
     entry = _weights_cache_entry(options, Path(path), quantize, dtype) if kind == "gguf" else None
     cached = _load_converted(entry, dtype, placement) if entry is not None else None
+    reader = None
     if cached is not None:
         loaded, tokenizer = dataclasses.replace(cached[0], kind="gguf", path=Path(path)), cached[1]
     else:
@@ -282,6 +286,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
                      weight_bytes(loaded.params) / 2**20)  # fmt: skip
             if entry is not None:
                 _save_converted(entry, loaded, tokenizer)
+    defaults = sampling_defaults(str(options.model), kind, Path(path), reader)
     if mesh.shape[TENSOR] == 1:
         loaded = dataclasses.replace(loaded, params=fuse_projections(loaded.params))
     cache_config = _cache_config(options, loaded.config, dtype)
@@ -304,4 +309,4 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     )
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s) in %.1fs", options.model, loaded.config.arch, seconds)
-    return Runtime(engine, tokenizer, loaded, options, seconds)
+    return Runtime(engine, tokenizer, loaded, options, seconds, defaults)

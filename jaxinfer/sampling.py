@@ -1,4 +1,5 @@
-"""Token sampling on device, per slot: penalties, greedy, temperature, top-k, top-p, min-p, seeded.
+"""Token sampling on device, per slot: penalties, a grammar's token mask, greedy, temperature, top-k,
+top-p, min-p, seeded; and the log-probabilities a request asks for.
 
 Every slot carries its own settings as arrays, so one compiled step serves any mix of requests.
 Randomness: token i of a request uses key fold_in(fold_in(fold_in(key(0), seed_hi), seed_lo), i), so a
@@ -32,15 +33,64 @@ class SlotSampling:
     min_p: jax.Array  # float32, 0 = off
     repetition_penalty: jax.Array  # float32, 1 = off
     presence_penalty: jax.Array  # float32, 0 = off
+    frequency_penalty: jax.Array  # float32, 0 = off
+    num_logprobs: jax.Array  # int32: alternatives to return, -1 = no log-probabilities
     seed: jax.Array  # uint32 [slots, 2]: (high, low) words of the 64-bit seed
 
 
-def apply_penalties(logits: jax.Array, seen: jax.Array, s: SlotSampling) -> jax.Array:
-    """logits: [slots, vocab] float32; seen: [slots, vocab] bool, tokens in the prompt or output so far."""
-    rp = s.repetition_penalty[:, None]
-    penalised = jnp.where(logits > 0, logits / rp, logits * rp)
-    logits = jnp.where(seen, penalised, logits)
-    return logits - jnp.where(seen, s.presence_penalty[:, None], 0.0)
+def apply_penalties(logits: jax.Array, counts: jax.Array, s: SlotSampling) -> jax.Array:
+    """logits: [slots, vocab] float32; counts: [slots, vocab] int32, occurrences of each token in the
+    prompt and the output so far. Skipped when no slot has a penalty (the common case), so the counts
+    are not read."""
+
+    def penalise() -> jax.Array:
+        seen = counts > 0
+        rp = s.repetition_penalty[:, None]
+        penalised = jnp.where(logits > 0, logits / rp, logits * rp)
+        out = jnp.where(seen, penalised, logits) - jnp.where(seen, s.presence_penalty[:, None], 0.0)
+        return out - s.frequency_penalty[:, None] * counts.astype(jnp.float32)
+
+    active = (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
+    return jax.lax.cond(jnp.any(active), penalise, lambda: logits)
+
+
+ALLOW_ALL = -1  # a mask word with every bit set
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits: [slots, vocab]; mask: [slots, ceil(vocab / 32)] int32, bit i of word w allows token
+    32 * w + i. Rows whose mask allows everything are unchanged, and when every row does (no request
+    is constrained) the unpacking is skipped."""
+    vocab = logits.shape[-1]
+
+    def masked() -> jax.Array:
+        shifts = jnp.arange(32, dtype=jnp.int32)
+        bits = (mask[:, :, None] >> shifts) & 1  # [slots, words, 32]
+        allowed = bits.reshape(mask.shape[0], -1)[:, :vocab] == 1
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    return jax.lax.cond(jnp.all(mask == ALLOW_ALL), lambda: logits, masked)
+
+
+def token_logprobs(
+    logits: jax.Array, token: jax.Array, s: SlotSampling, k: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probabilities under the model's own distribution (before penalties, masks and temperature,
+    as vLLM and OpenAI report them): the chosen token's [slots], and the k most likely tokens'
+    ([slots, k] values and ids). Computed only when some row asks for them; zeros otherwise."""
+    k = min(k, logits.shape[-1])
+
+    def compute():
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        chosen = jnp.take_along_axis(logp, token[:, None], axis=-1)[:, 0]
+        top_vals, top_ids = jax.lax.top_k(logp, k)
+        return chosen, top_vals, top_ids.astype(jnp.int32)
+
+    def skip():
+        n = logits.shape[0]
+        return jnp.zeros(n, jnp.float32), jnp.zeros((n, k), jnp.float32), jnp.zeros((n, k), jnp.int32)
+
+    return jax.lax.cond(jnp.any(s.num_logprobs >= 0), compute, skip)
 
 
 def _slot_key(seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -131,13 +181,16 @@ def _first_max(x: jax.Array) -> jax.Array:
     return jnp.minimum(first, x.shape[-1] - 1)  # a NaN row matches nothing: keep the id valid
 
 
-def sample(logits: jax.Array, seen: jax.Array, s: SlotSampling, steps: jax.Array) -> jax.Array:
+def sample(
+    logits: jax.Array, counts: jax.Array, s: SlotSampling, steps: jax.Array, mask: jax.Array
+) -> jax.Array:
     """Picks one token per slot.
 
-    logits: [slots, vocab] float32; seen: [slots, vocab] bool; steps: [slots] int32, the index of the token
-    being sampled within its request (for the per-request random stream). Returns [slots] int32.
+    logits: [slots, vocab] float32; counts: [slots, vocab] int32 (apply_penalties); steps: [slots]
+    int32, the index of the token being sampled within its request (for the per-request random
+    stream); mask: [slots, ceil(vocab / 32)] int32 (apply_token_mask). Returns [slots] int32.
     """
-    logits = apply_penalties(logits, seen, s)
+    logits = apply_token_mask(apply_penalties(logits, counts, s), mask)
     greedy = greedy_tokens(logits)
     # When every slot is greedy (the common serving case) skip the top-k and the noise entirely.
     sampled = jax.lax.cond(

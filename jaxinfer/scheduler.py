@@ -52,7 +52,8 @@ from jaxinfer.engine import (
 )
 from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import FinishReason, SamplingParams
+from jaxinfer.structured_output import GrammarCompiler, Matcher
 
 
 class QueueFull(Exception):
@@ -69,9 +70,6 @@ class RequestStatus(enum.Enum):
     PREFILLING = "prefilling"  # holds a slot; prompt chunks still to write
     RUNNING = "running"  # last chunk dispatched; the device samples a token every decode step
     FINISHED = "finished"
-
-
-FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
 
 class _StopStringText:
@@ -125,10 +123,11 @@ class SequenceState:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
     text: _StopStringText | None
+    matcher: Matcher | None = None  # structured output: the grammar state after output_token_ids
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     output_token_ids: list[int] = dataclasses.field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     # Pages and positions, owned here and passed to the engine with every call.
     page_ids: list[int] = dataclasses.field(default_factory=list)
     num_computed: int = 0  # positions whose KV entries dispatched steps write
@@ -153,19 +152,40 @@ class SequenceState:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the most likely alternatives' (as many as asked)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, log-probability), most likely first
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request (only requests with news appear)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
     new_text: str
-    finish_reason: str | None  # None while running, else one of FINISH_REASONS
+    finish_reason: FinishReason | None  # None while running
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # One per new token when the request asked for log-probabilities, else empty.
+    new_logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 Owner = tuple[SequenceState, int]  # (request, epoch) at dispatch
+
+
+@dataclasses.dataclass
+class _News:
+    """What one step brought one request, gathered before its RequestOutput is made."""
+
+    seq: SequenceState
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    texts: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +221,8 @@ class Scheduler:
     enable_prefix_caching: reuse full pages of earlier requests with the same prefix.
     detokenizer_factory: makes one IncrementalDetokenizer per request (for text and stop strings);
         None only if no request uses stop strings (outputs then carry no text).
+    grammar_compiler: makes the matchers of requests with structured output (structured_output.py);
+        None only if no request asks for one.
     """
 
     def __init__(
@@ -215,6 +237,7 @@ class Scheduler:
         prefill_token_budget: int | None = None,
         enable_prefix_caching: bool = True,
         detokenizer_factory: Callable[[], IncrementalDetokenizer] | None = None,
+        grammar_compiler: GrammarCompiler | None = None,
     ):
         budget = max_prefill_chunk if prefill_token_budget is None else prefill_token_budget
         for name, value in [
@@ -235,6 +258,7 @@ class Scheduler:
         self.prefill_token_budget = budget
         self.pool = PagePool(num_pages, enable_prefix_caching=enable_prefix_caching)
         self._detokenizer_factory = detokenizer_factory
+        self._grammar = grammar_compiler
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._requests: dict[str, SequenceState] = {}  # every live request, in arrival order
         self._slot_owner: list[SequenceState | None] = [None] * num_slots
@@ -276,6 +300,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._requests)
 
+    def needs_results_first(self) -> bool:
+        """Whether the next plan depends on the tokens of steps still in flight: a request with
+        structured output holds a slot (its next mask needs its last token), so the serving loop reads
+        each step before planning the next."""
+        return any(r.matcher is not None and r.slot is not None for r in self._requests.values())
+
     def get(self, request_id: str) -> SequenceState | None:
         return self._requests.get(request_id)
 
@@ -285,18 +315,13 @@ class Scheduler:
     # ---- admission and finishing --------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
-        """Queues a request. Raises ValueError for a bad request, QueueFull when the queue is full."""
+        """Queues a request whose fields request.check_request accepted. Raises ValueError when the
+        KV pool could never hold it, QueueFull when the queue is full."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        sampling.validate()
         total = len(prompt_token_ids) + sampling.max_tokens
         if total > self.max_seq_len:
-            raise ValueError(
-                f"prompt of {len(prompt_token_ids)} tokens + max_tokens={sampling.max_tokens} exceeds the "
-                f"context length max_seq_len={self.max_seq_len}"
-            )
+            raise ValueError(f"{total} positions exceed max_seq_len={self.max_seq_len}")
         if self._pages_for(total) > self.pool.num_usable:
             raise ValueError(
                 f"prompt of {len(prompt_token_ids)} tokens + max_tokens={sampling.max_tokens} needs "
@@ -305,22 +330,26 @@ class Scheduler:
             )
         if sampling.stop and self._detokenizer_factory is None:
             raise ValueError("stop strings need a detokenizer_factory")
+        if sampling.structured_output is not None and self._grammar is None:
+            raise ValueError("structured output needs a grammar_compiler")
         if len(self._waiting) >= self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
         text = None
         if self._detokenizer_factory is not None:
             text = _StopStringText(self._detokenizer_factory(), sampling.stop)
-        seq = SequenceState(request_id, tuple(int(t) for t in prompt_token_ids), sampling, text)
+        matcher = None
+        if sampling.structured_output is not None:
+            matcher = self._grammar.matcher(sampling.structured_output)
+        seq = SequenceState(request_id, tuple(int(t) for t in prompt_token_ids), sampling, text, matcher)
         self._requests[request_id] = seq
         self._waiting.append(seq)
 
-    def finish_request(self, request_id: str, reason: str) -> RequestOutput | None:
+    def finish_request(self, request_id: str, reason: FinishReason) -> RequestOutput | None:
         """Ends a live request now (cancel, deadline, error); its slot and pages are free for the next step.
 
         Returns the request's final output, or None if it is not live (already finished: a no-op).
         """
-        if reason not in FINISH_REASONS:
-            raise ValueError(f"{reason=} not in {FINISH_REASONS}")
+        reason = FinishReason(reason)
         seq = self._requests.get(request_id)
         if seq is None:
             return None
@@ -328,12 +357,18 @@ class Scheduler:
             self._waiting.remove(seq)
         return self._finish(seq, reason, new_tokens=(), new_text="")
 
-    def finish_all(self, reason: str) -> list[RequestOutput]:
+    def finish_all(self, reason: FinishReason) -> list[RequestOutput]:
         outputs = [self.finish_request(rid, reason) for rid in list(self._requests)]
         return [o for o in outputs if o is not None]
 
     def _finish(
-        self, seq: SequenceState, reason: str, *, new_tokens: tuple[int, ...], new_text: str
+        self,
+        seq: SequenceState,
+        reason: FinishReason,
+        *,
+        new_tokens: tuple[int, ...],
+        new_text: str,
+        new_logprobs: tuple[TokenLogprobs, ...] = (),
     ) -> RequestOutput:
         if seq.text is not None:
             new_text += seq.text.finish()
@@ -341,7 +376,7 @@ class Scheduler:
         self._release(seq)
         seq.status, seq.finish_reason = RequestStatus.FINISHED, reason
         del self._requests[seq.request_id]
-        return self._output(seq, new_tokens, new_text)
+        return self._output(seq, new_tokens, new_text, new_logprobs)
 
     def _release(self, seq: SequenceState) -> None:
         """Gives back the request's slot and pages (last page first: its tail is evicted first)."""
@@ -364,7 +399,12 @@ class Scheduler:
         self.num_preemptions += 1
 
     @staticmethod
-    def _output(seq: SequenceState, new_tokens: tuple[int, ...], new_text: str) -> RequestOutput:
+    def _output(
+        seq: SequenceState,
+        new_tokens: tuple[int, ...],
+        new_text: str,
+        new_logprobs: tuple[TokenLogprobs, ...] = (),
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
@@ -373,6 +413,7 @@ class Scheduler:
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_prefix_hit_tokens,
+            new_logprobs=new_logprobs,
         )
 
     # ---- pages ------------------------------------------------------------------------------------
@@ -448,8 +489,13 @@ class Scheduler:
         return True
 
     def _wants_decode(self, seq: SequenceState) -> bool:
-        """Running and not yet at max_tokens counting the tokens already dispatched."""
-        return seq.status is RequestStatus.RUNNING and seq.num_dispatched_outputs < seq.sampling.max_tokens
+        """Running, not yet at max_tokens counting the tokens already dispatched, and, under a grammar,
+        with every dispatched token read (its mask follows from them)."""
+        return (
+            seq.status is RequestStatus.RUNNING
+            and seq.num_dispatched_outputs < seq.sampling.max_tokens
+            and (seq.matcher is None or seq.num_dispatched_outputs == len(seq.output_token_ids))
+        )
 
     # ---- one step -----------------------------------------------------------------------------------
 
@@ -504,6 +550,7 @@ class Scheduler:
 
         positions = np.full(self.num_slots, -1, np.int32)
         decode_owners: dict[int, Owner] = {}
+        constrained: list[tuple[Matcher, int]] = []
         for slot, seq in enumerate(self._slot_owner):
             if seq is None or not self._wants_decode(seq) or not self._grow(seq):
                 continue
@@ -511,7 +558,15 @@ class Scheduler:
             seq.num_computed += 1
             seq.num_dispatched_outputs += 1
             decode_owners[slot] = (seq, seq.epoch)
-        batch = DecodeBatch(positions, self._page_table.copy()) if decode_owners else None
+            if seq.matcher is not None:
+                constrained.append((seq.matcher, slot))
+        batch = None
+        if decode_owners:
+            masks = None
+            if constrained:
+                masks = np.full((self.num_slots, self._grammar.num_words), -1, np.int32)
+                self._grammar.fill_masks(constrained, masks)
+            batch = DecodeBatch(positions, self._page_table.copy(), masks)
         self._check_invariants()
         return SchedulerOutput(
             step=self._step,
@@ -540,6 +595,7 @@ class Scheduler:
                 is_last=is_last,
                 prompt_token_ids=fill if is_last else (),
                 num_generated=len(seq.output_token_ids),
+                token_mask=self._grammar.allowed_mask(seq.matcher) if is_last and seq.matcher else None,
             )
         )
         seq.num_computed += n
@@ -561,7 +617,7 @@ class Scheduler:
         A token is dropped when its slot's owner at dispatch has finished or been preempted since: it
         was sampled after the request ended on the host, or will be sampled again on recompute.
         """
-        news: dict[str, tuple[SequenceState, list[int], list[str]]] = {}
+        news: dict[str, _News] = {}
         finished: list[RequestOutput] = []
         for owners, result in [
             (scheduler_output.prefill_owners, prefill_result),
@@ -576,41 +632,53 @@ class Scheduler:
                     continue
                 token = int(result.token[slot])
                 seq.output_token_ids.append(token)
-                entry = news.setdefault(seq.request_id, (seq, [], []))
-                entry[1].append(token)
+                entry = news.setdefault(seq.request_id, _News(seq))
+                entry.tokens.append(token)
+                if seq.sampling.logprobs is not None:
+                    top = zip(result.top_ids[slot][: seq.sampling.logprobs].tolist(),
+                              result.top_logprobs[slot][: seq.sampling.logprobs].tolist())  # fmt: skip
+                    entry.logprobs.append(TokenLogprobs(token, float(result.logprob[slot]), tuple(top)))
                 reason = None
                 # A stop token's text is output like any other (vLLM's rule); special tokens such as
                 # eos detokenise to nothing.
                 if seq.text is not None:
                     new_text, stop_string_hit = seq.text.add(token)
-                    entry[2].append(new_text)
-                    reason = "stop" if stop_string_hit else None
+                    entry.texts.append(new_text)
+                    reason = FinishReason.STOP if stop_string_hit else None
                 if bool(result.done[slot]):
                     device_reason = int(result.reason[slot])
                     if device_reason not in (FINISH_STOP, FINISH_LENGTH):
                         raise ValueError(f"slot {slot} done with unknown reason code {device_reason}")
-                    reason = reason or ("stop" if device_reason == FINISH_STOP else "length")
+                    reason = reason or (
+                        FinishReason.STOP if device_reason == FINISH_STOP else FinishReason.LENGTH
+                    )
+                if seq.matcher is not None and reason is None:
+                    if not seq.matcher.accept(token):  # the device applied its mask: a bug if reached
+                        raise RuntimeError(f"{seq.request_id}: token {token} broke its grammar")
+                    if seq.matcher.is_stopped:  # complete; only end-of-sequence could follow
+                        reason = FinishReason.STOP
                 # Host-side backstops: the device should have flagged these as done.
                 if reason is None and token in seq.sampling.stop_token_ids:
-                    reason = "stop"
+                    reason = FinishReason.STOP
                 if reason is None and len(seq.output_token_ids) >= seq.sampling.max_tokens:
-                    reason = "length"
+                    reason = FinishReason.LENGTH
                 if reason is not None:
                     finished.append(self._finish_with_news(seq, reason, news))
                 else:
                     self._cache_full_pages(seq)
-        running = [self._output(seq, tuple(toks), "".join(texts)) for seq, toks, texts in news.values()]
+        running = [
+            self._output(n.seq, tuple(n.tokens), "".join(n.texts), tuple(n.logprobs)) for n in news.values()
+        ]
         self._check_invariants()
         return finished + running
 
     def _finish_with_news(
-        self,
-        seq: SequenceState,
-        reason: str,
-        news: dict[str, tuple[SequenceState, list[int], list[str]]],
+        self, seq: SequenceState, reason: FinishReason, news: dict[str, _News]
     ) -> RequestOutput:
-        _, tokens, texts = news.pop(seq.request_id)
-        return self._finish(seq, reason, new_tokens=tuple(tokens), new_text="".join(texts))
+        n = news.pop(seq.request_id)
+        return self._finish(
+            seq, reason, new_tokens=tuple(n.tokens), new_text="".join(n.texts), new_logprobs=tuple(n.logprobs)
+        )
 
     def _check_invariants(self) -> None:
         """A slot is free exactly when no live request owns it; waiting requests own neither slots nor

@@ -36,7 +36,7 @@ from jaxinfer.engine import (
     PrefillChunk,
     StepOutput,
 )
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
 
 # --------------------------------------------------------------------------------------------------
 # MockEngine
@@ -46,6 +46,22 @@ from jaxinfer.request import SamplingParams
 def next_mock_token(last_token: int, sampling: SamplingParams, vocab_size: int) -> int:
     """The MockEngine's whole "model": the seed shifts the sequence so per-slot state mix-ups show."""
     return (last_token + 1 + sampling.seed) % vocab_size
+
+
+def mock_logprob(token: int) -> float:
+    """The MockEngine's log-probability of a token (a fixed function, so tests can check it arrives)."""
+    return -((token % 7) + 1) / 8
+
+
+def _first_allowed(token: int, mask: np.ndarray | None, vocab_size: int) -> int:
+    """With a structured-output mask, the first token from `token` on (cyclically) that it allows."""
+    if mask is None:
+        return token
+    for step in range(vocab_size):
+        t = (token + step) % vocab_size
+        if (int(mask[t // 32]) >> (t % 32)) & 1:
+            return t
+    raise ValueError("the token mask allows nothing")
 
 
 @dataclasses.dataclass
@@ -147,6 +163,9 @@ class MockEngine(Engine):
             valid=np.zeros(n, bool),
             done=np.zeros(n, bool),
             reason=np.zeros(n, np.int32),
+            logprob=np.zeros(n, np.float32),
+            top_ids=np.zeros((n, MAX_TOP_LOGPROBS), np.int32),
+            top_logprobs=np.zeros((n, MAX_TOP_LOGPROBS), np.float32),
         )
 
     def _dispatch(self, output: StepOutput, *, is_decode: bool) -> _MockPending:
@@ -175,11 +194,16 @@ class MockEngine(Engine):
         if held != list(history):
             raise ValueError(f"the pages hold {held}, the request has {list(history)}")
 
-    def _sample_into(self, out: StepOutput, slot: int) -> None:
+    def _sample_into(self, out: StepOutput, slot: int, mask: np.ndarray | None = None) -> None:
         s = self._slots[slot]
         if s.sampling is None:
             raise RuntimeError(f"slot {slot} samples before any prompt was written")
         token = next_mock_token(s.last_token, s.sampling, self.vocab_size)
+        token = _first_allowed(token, mask, self.vocab_size)
+        out.logprob[slot] = mock_logprob(token)
+        alternatives = [(token + i) % self.vocab_size for i in range(MAX_TOP_LOGPROBS)]
+        out.top_ids[slot] = alternatives
+        out.top_logprobs[slot] = [mock_logprob(t) - i for i, t in enumerate(alternatives)]
         s.last_token = token
         s.num_generated += 1
         s.history.append(token)
@@ -218,7 +242,7 @@ class MockEngine(Engine):
                 self._check_history(c.page_ids, fill)
                 s.sampling, s.last_token, s.active = c.sampling, fill[-1], True
                 s.num_generated, s.history = c.num_generated, fill
-                self._sample_into(out, c.slot)
+                self._sample_into(out, c.slot, c.token_mask)
         return self._dispatch(out, is_decode=False)
 
     def decode(self, batch: DecodeBatch) -> PendingStep:
@@ -237,7 +261,7 @@ class MockEngine(Engine):
                 raise ValueError(f"slot {slot} decodes at {position}, its request holds {len(s.history)}")
             self._write(batch.page_table[slot], position, [s.last_token])
             self._check_history(batch.page_table[slot], s.history)
-            self._sample_into(out, slot)
+            self._sample_into(out, slot, None if batch.token_mask is None else batch.token_mask[slot])
         return self._dispatch(out, is_decode=True)
 
     def reference_tokens(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:
@@ -314,6 +338,12 @@ class FakeTokenizer:
         if token_id < self.num_special and skip_special:
             return b""
         return self._pieces[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id < self.num_special
+
+    def token_bytes(self) -> list[bytes]:
+        return list(self._pieces)
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         data, ids, i = text.encode(), [], 0

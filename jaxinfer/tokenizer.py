@@ -179,6 +179,9 @@ class _HFTokenizersBackend:
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
 
+    def to_json(self) -> str:
+        return self._tokenizer.to_str()
+
     def adds_bos_itself(self, bos_id: int) -> bool:
         """Whether the tokenizer.json post-processor prepends BOS (how HF folders say add_bos_token)."""
         return self._tokenizer.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
@@ -235,6 +238,17 @@ class _SentencePieceBackend:
                 run.append(i)
         parts.append(self._sp.decode(run))
         return "".join(parts)
+
+    def token_bytes(self) -> list[bytes]:
+        """Each piece's bytes: "▁" is a space, byte-fallback pieces "<0xNN>" are that byte."""
+        out = []
+        for i in range(self.vocab_size):
+            piece = self._sp.id_to_piece(i)
+            if self._sp.is_byte(i):
+                out.append(bytes([int(piece[3:5], 16)]))
+            else:
+                out.append(piece.replace("\u2581", " ").encode())
+        return out
 
     def token_to_id(self, token: str) -> int | None:
         token_id = self._sp.piece_to_id(token)  # unknown pieces map to unk_id
@@ -324,6 +338,16 @@ class Tokenizer:
     def is_special(self, token_id: int) -> bool:
         """Whether token_id is a control token that decode(skip_special=True) drops."""
         return self._backend.is_special(token_id)
+
+    def hf_tokenizer_json(self) -> str | None:
+        """The tokenizer.json text of a Hugging Face tokenizers vocabulary, else None (structured
+        output builds its token table from it, or from token_bytes())."""
+        backend = self._backend
+        return backend.to_json() if isinstance(backend, _HFTokenizersBackend) else None
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes (SentencePiece vocabularies)."""
+        return self._backend.token_bytes()
 
     def detokenizer(self, *, skip_special: bool = True) -> IncrementalDetokenizer:
         """A fresh streaming decoder for one generated sequence."""

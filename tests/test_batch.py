@@ -58,7 +58,7 @@ def test_batch_matches_generate_greedy(capsys, tmp_path, tiny_with_tokenizer):
                        compilation_cache_dir=None)
     )  # fmt: skip
     tok = runtime.tokenizer
-    defaults = SamplingParams(temperature=0.0, top_k=40, top_p=0.95, max_tokens=5)
+    defaults = SamplingParams(temperature=0.0, max_tokens=5)
     prompts, samplings = [], []
     for row in rows:
         prompts.append(tok.encode_chat(row["messages"]) if "messages" in row else tok.encode(row["prompt"]))
@@ -128,7 +128,7 @@ def test_parse_input_rejects_bad_values_without_a_model(tmp_path):
     errors = tmp_path / "errors.txt"
     with open(errors, "w") as f:
         items, num_lines, num_bad = parse_input(
-            tmp_path / "in.jsonl", tokenizer=tok, engine=engine, defaults=SamplingParams(), errors=f
+            tmp_path / "in.jsonl", tokenizer=tok, engine=engine, errors=f
         )
     reported = errors.read_text().splitlines()
     assert (num_lines, num_bad, len(reported)) == (7, 6, 6)
@@ -144,13 +144,12 @@ _KILLABLE_RUN = textwrap.dedent(
     """
     import sys
     from jaxinfer.batch import run_batch
-    from jaxinfer.request import SamplingParams
     from jaxinfer.testing import FakeTokenizer, MockEngine
 
     tok = FakeTokenizer()
     delay = float(sys.argv[3])
     engine = MockEngine(num_slots=3, max_seq_len=64, vocab_size=tok.vocab_size, step_delay_s=delay)
-    summary = run_batch(engine, tok, sys.argv[1], sys.argv[2], defaults=SamplingParams(max_tokens=6),
+    summary = run_batch(engine, tok, sys.argv[1], sys.argv[2], base_fields={"max_tokens": 6},
                         max_queue=4, progress=False)
     print(summary.num_already_done, summary.num_requests)
     """
@@ -210,7 +209,7 @@ def test_sigkill_mid_run_then_resume_gives_complete_duplicate_free_output(tmp_pa
     # A third run finds nothing to do and leaves the file as it is.
     before = out.read_bytes()
     summary = run_batch(
-        engine, tok, tmp_path / "in.jsonl", out, defaults=SamplingParams(max_tokens=6), progress=False
+        engine, tok, tmp_path / "in.jsonl", out, base_fields={"max_tokens": 6}, progress=False
     )
     assert (summary.num_already_done, summary.num_requests) == (len(rows), 0)
     assert out.read_bytes() == before

@@ -299,3 +299,160 @@ def test_cli_shared_prefix_multi_turn_run(capsys, tmp_path, server):
     assert by_turn == {1: [38] * 5, 2: [38 + 3 + 4] * 5}
     # The server found the shared document (and each first turn, for the second) in its prefix cache.
     assert server.orchestrator.stats()["prefix_cache_hit_tokens"] > hits_before
+
+
+# ---- the OpenAI-compatible HTTP backend ----------------------------------------------------------------
+
+API_KEY = "bench-key"
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    """gRPC and the OpenAI HTTP API over one orchestrator, both behind an API key."""
+    engine = MockEngine(
+        num_slots=4, max_seq_len=128, max_prefill_chunk=8, vocab_size=TOK.vocab_size, step_delay_s=0.004
+    )
+    orchestrator = Orchestrator(engine, TOK, max_queue=64)
+    running = build_server(
+        orchestrator, TOK, MODEL_INFO, host="127.0.0.1", port=0, http_port=0, api_key=API_KEY
+    )
+    yield running
+    running.stop(1.0)
+
+
+def test_openai_backend_over_http_gives_the_grpc_report(capsys, tmp_path, keyed_server):
+    finished_before = keyed_server.orchestrator.stats()["finished"]["length"]
+    common = [
+        "--num-prompts", "16", "--input-len", "uniform:4,20", "--output-len", "normal:10,3",
+        "--warmup-requests", "2", "--seed", "5", "--api-key", API_KEY, "--max-concurrency", "6",
+    ]  # fmt: skip
+    http_file, grpc_file = tmp_path / "http.json", tmp_path / "grpc.json"
+    base = f"http://127.0.0.1:{keyed_server.http_port}"
+    argv = ["bench-serving", "--backend", "openai", "--target", base, "--result-file", str(http_file)]
+    assert main([*argv, "--vocab-size", str(TOK.vocab_size), *common]) == 0
+    http_out, http_err = capsys.readouterr()
+    assert f"backend openai: {base}, model mock" in http_err
+    grpc_target = f"127.0.0.1:{keyed_server.port}"
+    argv = ["bench-serving", "--target", grpc_target, "--result-file", str(grpc_file)]
+    assert main([*argv, *common]) == 0
+    grpc_out, grpc_err = capsys.readouterr()
+    assert f"backend grpc: {grpc_target}" in grpc_err
+
+    http, grpc_result = json.loads(http_file.read_text()), json.loads(grpc_file.read_text())
+    assert http["config"]["backend"] == "openai" and grpc_result["config"]["backend"] == "grpc"
+    assert "api_key" not in http["config"] and API_KEY not in http_file.read_text()
+    assert http["server"]["model_name"] == "mock" and http["server"]["context_length"] == 128
+    # The same report: the table's header and the keys of the run and of each request.
+    assert http_out.splitlines()[:2] == grpc_out.splitlines()[:2] and len(http_out.splitlines()) == 3
+    [run], [grpc_run] = http["runs"], grpc_result["runs"]
+    assert set(run) == set(grpc_run) and set(run["requests"][0]) == set(grpc_run["requests"][0])
+
+    # Exact lengths over HTTP (the usage chunk's count): the seeded dataset, rebuilt here.
+    expected = synthetic_requests(
+        18, LengthDistribution("uniform", 4, 20), LengthDistribution("normal", 10, 3),
+        vocab_size=TOK.vocab_size, context_length=128, seed=5,
+    )[2:]  # fmt: skip
+    want = sorted((len(r.prompt_token_ids), r.max_tokens) for r in expected)
+    for result in (run, grpc_run):
+        assert result["sent"] == result["completed"] == 16
+        assert result["failed"] == 0 and result["errors"] == {}
+        assert sorted((r["prompt_tokens"], r["output_tokens"]) for r in result["requests"]) == want
+        for r in result["requests"]:
+            assert r["ok"] and r["finish_reason"] == "length" and 0 < r["ttft_s"] <= r["e2e_s"]
+            if r["output_tokens"] > 1:
+                assert r["tpot_s"] > 0 and math.isclose(
+                    r["tpot_s"], (r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1)
+                )
+        for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            _check_stats(result[key])
+        assert math.isclose(result["output_throughput"], result["total_output_tokens"] / result["duration_s"])
+    # The MockEngine decodes a step every 4 ms: the gaps between HTTP chunks are about that.
+    assert 2 <= run["itl_ms"]["p50"] < 100
+    # Warm-up and measured requests of both runs ran on the server, to their max_tokens.
+    assert keyed_server.orchestrator.stats()["finished"]["length"] - finished_before == 2 * (2 + 16)
+
+
+def test_openai_backend_counts_http_errors_as_failed(keyed_server):
+    from jaxinfer.bench_serving import OpenAIClient
+
+    base = f"127.0.0.1:{keyed_server.http_port}/v1/"  # no scheme, a trailing /v1: the same base URL
+    with (
+        pytest.raises(ValueError, match="HTTP 401: missing or incorrect API key"),
+        OpenAIClient(base) as client,
+    ):
+        client.model_info()
+    with OpenAIClient(base, api_key=API_KEY) as client:
+        assert client.base_url == f"http://127.0.0.1:{keyed_server.http_port}"
+        assert client.model_info()["model_name"] == "mock" and client.model == "mock"
+        good = BenchRequest((5, 6, 7), 4)
+        outside = BenchRequest((5, TOK.vocab_size + 3), 4)  # a token id the model does not have
+        results, _ = run_load(client, [good, outside, good], sampling={"temperature": 0.0})
+        with pytest.raises(ValueError, match="multi-turn"):
+            run_conversations(client, multi_turn_conversations(
+                [good], 2, LengthDistribution("fixed", 2), LengthDistribution("fixed", 2),
+                vocab_size=TOK.vocab_size, context_length=128,
+            ))  # fmt: skip
+    assert [r.ok for r in results] == [True, False, True]
+    assert [r.output_tokens for r in results] == [4, 0, 4]
+    bad = results[1]
+    assert bad.error.startswith("HTTP 400: ") and "outside the vocabulary" in bad.error
+    assert bad.ttft_s is None and bad.e2e_s is not None
+    assert summarize(results, 1.0)["errors"] == {bad.error: 1}
+
+    # A wrong key, no server, a dataset the OpenAI API cannot serve: clear errors before any load.
+    keyed = dict(backend="openai", target=f"http://127.0.0.1:{keyed_server.http_port}")
+    with pytest.raises(ValueError, match="HTTP 401"):
+        run_benchmark(BenchConfig(**keyed, api_key="wrong", vocab_size=TOK.vocab_size))
+    with pytest.raises(ValueError, match="no OpenAI-compatible server"):
+        run_benchmark(BenchConfig(backend="openai", target="http://127.0.0.1:1", connect_timeout_s=0.3))
+    with pytest.raises(ValueError, match="refused the API key"):
+        run_benchmark(BenchConfig(target=f"127.0.0.1:{keyed_server.port}", api_key="wrong"))
+    with pytest.raises(ValueError, match="tokenizer"):
+        BenchConfig(backend="openai", dataset="sharegpt", dataset_path="x.json")
+    with pytest.raises(ValueError, match="multi-turn"):
+        BenchConfig(backend="openai", multi_turn=2)
+    assert BenchConfig(backend="openai").target == "http://127.0.0.1:8000"
+    assert BenchConfig().target == "127.0.0.1:50051"
+
+
+def test_openai_stream_parsing_without_usage_and_with_a_mid_stream_error():
+    """Other OpenAI servers: no usage chunk (chunks are counted), an error event after the 200."""
+    import httpx
+
+    from jaxinfer.bench_serving import OpenAIClient
+
+    def sse(*events) -> bytes:
+        return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+    def chunk(text, finish=None) -> dict:
+        return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+    bodies = {
+        "plain": sse(chunk("a"), chunk(""), chunk("c", "stop"), "[DONE]"),
+        "broken": sse(chunk("a"), {"error": {"message": "the server failed while generating"}}, "[DONE]"),
+        "cut": sse(chunk("a"), chunk("b")),  # the connection ends with no finish
+    }
+    sent = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        kind = {1: "plain", 2: "broken", 3: "cut"}[len(body["prompt"])]
+        return httpx.Response(200, content=bodies[kind], headers={"content-type": "text/event-stream"})
+
+    with OpenAIClient("http://bench.invalid") as client:
+        client._http.close()  # the same client, over a transport that answers from `bodies`
+        client._http = httpx.Client(base_url=client.base_url, transport=httpx.MockTransport(handler))
+        client.model = "m"
+        requests = [BenchRequest((1,), 3), BenchRequest((1, 2), 3), BenchRequest((1, 2, 3), 3)]
+        results, _ = run_load(
+            client, requests, max_concurrency=1, sampling={"temperature": 0.5, "seed": 9}, ignore_eos=False
+        )
+    plain, broken, cut = results
+    assert plain.ok and plain.finish_reason == "stop" and plain.output_tokens == 3 and len(plain.itl_s) == 2
+    assert broken.error == "stream error: the server failed while generating"
+    assert cut.error == "finish_None" and cut.output_tokens == 2
+    assert sent[0] == {
+        "model": "m", "prompt": [1], "max_tokens": 3, "ignore_eos": False, "stream": True,
+        "stream_options": {"include_usage": True}, "temperature": 0.5, "seed": 9,
+    }  # fmt: skip

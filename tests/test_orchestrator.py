@@ -107,8 +107,8 @@ def test_stop_strings_and_multibyte_text_through_the_threads():
     [
         ([], SamplingParams(), "prompt is empty"),
         ([5] * 60, SamplingParams(max_tokens=8), "exceeds the context length 64"),
-        ([5], SamplingParams(temperature=-0.5), "temperature must be >= 0"),
-        ([5], SamplingParams(top_p=1.5), "top_p must be in"),
+        ([5], SamplingParams(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+        ([5], SamplingParams(top_p=1.5), "top_p=1.5 must be in"),
         ([5, 10_000], SamplingParams(), "outside the vocabulary"),
         ([5], SamplingParams(stop_token_ids=(-1,)), "stop_token_ids"),
     ],

@@ -11,26 +11,45 @@ import pytest
 import torch
 
 from jaxinfer.request import SamplingParams
-from jaxinfer.sampling import SlotSampling, apply_penalties, greedy_tokens, sample, split_seed
+from jaxinfer.sampling import (
+    SlotSampling,
+    apply_penalties,
+    apply_token_mask,
+    greedy_tokens,
+    sample,
+    split_seed,
+    token_logprobs,
+)
 
 VOCAB = 50
 
 
 def _settings(n: int, **overrides) -> SlotSampling:
-    base = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0)
+    base = dict(
+        temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+        frequency_penalty=0.0, num_logprobs=-1,
+    )  # fmt: skip
     base |= overrides
-    arrays = {k: jnp.full((n,), v, jnp.int32 if k == "top_k" else jnp.float32) for k, v in base.items()}
+    ints = ("top_k", "num_logprobs")
+    arrays = {k: jnp.full((n,), v, jnp.int32 if k in ints else jnp.float32) for k, v in base.items()}
     return SlotSampling(**arrays, seed=jnp.zeros((n, 2), jnp.uint32))
 
 
-def _draw(logits: np.ndarray, draws: int, **overrides) -> np.ndarray:
-    """`draws` samples from one row of logits, one per seed."""
+def _allow_all(rows: int, vocab: int) -> jax.Array:
+    return jnp.full((rows, (vocab + 31) // 32), -1, jnp.int32)
+
+
+def _draw(logits: np.ndarray, draws: int, mask: np.ndarray | None = None, **overrides) -> np.ndarray:
+    """`draws` samples from one row of logits, one per seed (under one token mask row if given)."""
     s = _settings(draws, **overrides)
     seeds = jnp.stack([jnp.zeros(draws, jnp.uint32), jnp.arange(draws, dtype=jnp.uint32)], 1)
     s = dataclasses.replace(s, seed=seeds)
     rows = jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (draws, logits.shape[-1]))
-    seen = jnp.zeros(rows.shape, bool)
-    return np.asarray(jax.jit(sample)(rows, seen, s, jnp.zeros(draws, jnp.int32)))
+    counts = jnp.zeros(rows.shape, jnp.int32)
+    masks = (
+        _allow_all(draws, logits.shape[-1]) if mask is None else jnp.broadcast_to(mask, (draws, len(mask)))
+    )
+    return np.asarray(jax.jit(sample)(rows, counts, s, jnp.zeros(draws, jnp.int32), masks))
 
 
 @pytest.fixture(scope="module")
@@ -79,18 +98,55 @@ def test_min_p_drops_tokens_below_the_fraction_of_the_top(logits):
 def test_penalties_match_transformers_processors(logits):
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    seen_ids = [3, 7, int(np.argmax(logits)), 20]
-    seen = np.zeros((1, VOCAB), bool)
-    seen[0, seen_ids] = True
+    seen_ids = [3, 7, int(np.argmax(logits)), 20, 7, 7]
+    counts = np.bincount(seen_ids, minlength=VOCAB)[None].astype(np.int32)
     s = _settings(1, repetition_penalty=1.3, presence_penalty=0.0)
-    ours = np.asarray(apply_penalties(jnp.asarray(logits[None]), jnp.asarray(seen), s))
+    ours = np.asarray(apply_penalties(jnp.asarray(logits[None]), jnp.asarray(counts), s))
     processor = RepetitionPenaltyLogitsProcessor(1.3)
     expected = processor(torch.tensor([seen_ids]), torch.tensor(logits[None])).numpy()
     np.testing.assert_allclose(ours, expected, rtol=1e-6)
 
-    s = _settings(1, presence_penalty=0.75)
-    ours = np.asarray(apply_penalties(jnp.asarray(logits[None]), jnp.asarray(seen), s))
-    np.testing.assert_allclose(ours, logits[None] - 0.75 * seen, rtol=1e-6)
+    # OpenAI's definition: logit - count * frequency_penalty - (count > 0) * presence_penalty.
+    s = _settings(1, presence_penalty=0.75, frequency_penalty=-0.4)
+    ours = np.asarray(apply_penalties(jnp.asarray(logits[None]), jnp.asarray(counts), s))
+    np.testing.assert_allclose(ours, logits[None] - 0.75 * (counts > 0) + 0.4 * counts, rtol=1e-6)
+    s = _settings(1)  # no penalty: the logits pass through
+    np.testing.assert_array_equal(
+        apply_penalties(jnp.asarray(logits[None]), jnp.asarray(counts), s), logits[None]
+    )
+
+
+@pytest.mark.parametrize("vocab", [50, 97, 600])
+def test_token_mask_keeps_exactly_the_allowed_tokens(vocab):
+    rng = np.random.default_rng(vocab)
+    logits = rng.normal(size=vocab).astype(np.float32)
+    allowed = rng.random(vocab) < 0.2
+    allowed[rng.integers(vocab)] = True
+    bits = np.zeros((vocab + 31) // 32 * 32, bool)
+    bits[:vocab] = allowed
+    mask = (
+        np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4")[:, 0].astype(np.uint32).view(np.int32)
+    )
+    masked = np.asarray(apply_token_mask(jnp.asarray(logits[None]), jnp.asarray(mask[None])))[0]
+    np.testing.assert_array_equal(np.isfinite(masked), allowed)
+    np.testing.assert_array_equal(masked[allowed], logits[allowed])
+    assert (
+        _draw(logits, 1, mask=mask, temperature=0.0)[0] == np.flatnonzero(allowed)[np.argmax(logits[allowed])]
+    )
+    tokens = _draw(logits, 300, mask=mask, temperature=2.0)
+    assert set(tokens) <= set(np.flatnonzero(allowed)) and len(set(tokens)) > min(3, allowed.sum() - 1)
+
+
+def test_token_logprobs_are_the_log_softmax_and_its_top_k(logits):
+    rows = jnp.asarray(np.stack([logits, logits[::-1]]))
+    token = jnp.array([5, 11], jnp.int32)
+    chosen, top_vals, top_ids = token_logprobs(rows, token, _settings(2, num_logprobs=3), 4)
+    want = jax.nn.log_softmax(rows.astype(jnp.float64) if jax.config.x64_enabled else rows, axis=-1)
+    np.testing.assert_allclose(chosen, [want[0, 5], want[1, 11]], rtol=1e-5)
+    np.testing.assert_array_equal(top_ids, np.argsort(-np.asarray(want), axis=-1)[:, :4])
+    np.testing.assert_allclose(top_vals, -np.sort(-np.asarray(want), axis=-1)[:, :4], rtol=1e-5)
+    off = token_logprobs(rows, token, _settings(2), 4)  # no row asked: nothing computed
+    assert not np.any(np.asarray(off[0]))
 
 
 def test_per_slot_settings_do_not_leak_between_slots(logits):
@@ -100,7 +156,8 @@ def test_per_slot_settings_do_not_leak_between_slots(logits):
     top2 = set(np.argsort(logits)[-2:])
     for seed in range(20):
         s = dataclasses.replace(s, seed=jnp.array([[0, seed], [0, seed]], jnp.uint32))
-        tokens = np.asarray(sample(rows, jnp.zeros((2, VOCAB), bool), s, jnp.zeros(2, jnp.int32)))
+        counts = jnp.zeros((2, VOCAB), jnp.int32)
+        tokens = np.asarray(sample(rows, counts, s, jnp.zeros(2, jnp.int32), _allow_all(2, VOCAB)))
         assert tokens[0] == np.argmax(logits) and tokens[1] in top2
 
 
@@ -120,6 +177,8 @@ def test_seed_split_round_trips_64_bits():
         ("max_tokens", 0, "max_tokens"),
         ("repetition_penalty", 0.0, "repetition_penalty"),
         ("seed", -1, "seed"),
+        ("frequency_penalty", 2.5, "frequency_penalty"),
+        ("logprobs", 21, "logprobs"),
     ],
 )
 def test_invalid_sampling_values_are_rejected(field, value, message):

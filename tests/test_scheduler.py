@@ -85,19 +85,16 @@ def test_admission_is_fifo_into_lowest_free_slots_and_queue_is_bounded():
 
 
 @pytest.mark.parametrize(
-    "prompt, sampling, match",
+    "engine, prompt, max_tokens, match",
     [
-        ([], SamplingParams(), "prompt is empty"),
-        ([1] * 60, SamplingParams(max_tokens=5), "exceeds the context length"),
-        ([1], SamplingParams(temperature=-1.0), "temperature"),
-        ([1], SamplingParams(top_p=0.0), "top_p"),
-        ([1], SamplingParams(max_tokens=0), "max_tokens"),
+        (MockEngine(max_seq_len=64), [1] * 60, 5, "exceed max_seq_len=64"),
+        (MockEngine(max_seq_len=64, num_pages=3), [1] * 20, 5, "the whole pool has 2"),
     ],
 )
-def test_add_request_rejects_bad_requests(prompt, sampling, match):
-    sched = make(MockEngine(max_seq_len=64))
+def test_add_request_rejects_what_the_cache_cannot_hold(engine, prompt, max_tokens, match):
+    sched = make(engine)
     with pytest.raises(ValueError, match=match):
-        sched.add_request("bad", prompt, sampling)
+        sched.add_request("bad", prompt, SamplingParams(max_tokens=max_tokens))
     assert sched.num_waiting == 0 and sched.num_live == 0
 
 
@@ -322,8 +319,8 @@ def test_host_side_max_tokens_backstop_releases_the_slot():
     """If a device failed to flag the max_tokens-th token as done, the host ends the request itself."""
 
     class ForgetfulEngine(MockEngine):
-        def _sample_into(self, out, slot):
-            super()._sample_into(out, slot)
+        def _sample_into(self, out, slot, mask=None):
+            super()._sample_into(out, slot, mask)
             out.done[slot] = False
             self._slots[slot].active = True
 

@@ -127,17 +127,17 @@ def test_stop_strings_and_stop_token_ids(server):
         tokens, text, last = collect(c.generate(a_id, max_tokens=20, stop=["de"], seed=0))
         assert text == "bc" and tokens == TOK.encode("bcde", add_bos=False) and last.finish_reason == "stop"
         f_id = TOK.encode("f", add_bos=False)[0]
-        tokens, text, last = collect(c.generate(a_id, max_tokens=20, stop_token_ids=[f_id]))
+        tokens, text, last = collect(c.generate(a_id, max_tokens=20, stop_token_ids=[f_id], seed=0))
         assert text == "bcdef" and last.finish_reason == "stop"
 
 
 INVALID = [
     (dict(prompt=""), "prompt is empty"),
-    (dict(prompt="hi", max_tokens=0), "max_tokens must be > 0"),
-    (dict(prompt="hi", max_tokens=-3), "max_tokens must be > 0"),
-    (dict(prompt="hi", sampling=pb.SamplingOptions(temperature=-1.0)), "temperature must be >= 0"),
-    (dict(prompt="hi", sampling=pb.SamplingOptions(top_p=0.0)), "top_p must be in (0, 1]"),
-    (dict(prompt="hi", sampling=pb.SamplingOptions(top_p=1.5)), "top_p must be in (0, 1]"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens=0 must be > 0"),
+    (dict(prompt="hi", max_tokens=-3), "max_tokens=-3 must be > 0"),
+    (dict(prompt="hi", sampling=pb.SamplingOptions(temperature=-1.0)), "temperature=-1.0 must be >= 0"),
+    (dict(prompt="hi", sampling=pb.SamplingOptions(top_p=0.0)), "top_p=0.0 must be in (0, 1]"),
+    (dict(prompt="hi", sampling=pb.SamplingOptions(top_p=1.5)), "top_p=1.5 must be in (0, 1]"),
     (dict(prompt_token_ids=[5, 100_000]), "prompt_token_ids [100000] are outside the vocabulary"),
     (dict(prompt_token_ids=[5, -2]), "outside the vocabulary"),
     (dict(chat=[pb.ChatMessage(role="wizard", content="x")]), "chat[0].role='wizard'"),

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 
+import jsonschema
+import openai
 import pytest
 
 from jaxinfer.client import InferenceClient
@@ -83,3 +86,73 @@ def test_concurrent_clients_get_the_offline_results_and_no_slot_leaks(runtime):
         assert engine.compile_count == compiles, "something compiled while serving"
     finally:
         server.stop(1.0)
+
+
+@pytest.fixture(scope="module")
+def both_apis(runtime):
+    orchestrator = Orchestrator(runtime.engine, runtime.tokenizer, max_queue=32)
+    server = build_server(orchestrator, runtime.tokenizer, runtime.model_info(), port=0, http_port=0)
+    yield runtime, server
+    server.stop(1.0)
+
+
+def test_grpc_and_http_give_the_same_tokens(both_apis):
+    runtime, server = both_apis
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0)
+    model = http.models.list().data[0].id
+    compiles = runtime.engine.compile_count
+    with InferenceClient(f"127.0.0.1:{server.port}", timeout_s=120) as grpc_client:
+        for prompt, sampling in [
+            ("Once upon a time", {"temperature": 0.0}),
+            ("1 2 3", {"temperature": 0.9, "seed": 11}),
+        ]:
+            chunks = list(grpc_client.generate(prompt, max_tokens=12, ignore_eos=True, **sampling))
+            over_grpc = runtime.tokenizer.decode([t for c in chunks for t in c.token_ids])
+            r = http.completions.create(
+                model=model, prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True}, **sampling
+            )
+            assert r.choices[0].text == over_grpc and r.usage.completion_tokens == 12
+    assert runtime.engine.compile_count == compiles, "something compiled while serving"
+
+
+def test_logprobs_equal_transformers_and_json_follows_the_schema_on_the_device(
+    both_apis, tiny_with_tokenizer
+):
+    """Log-probabilities come from the engine's own logits: compared with transformers' recompute of the
+    whole sequence. The schema is enforced by the device-side mask on a random model."""
+    import torch
+    import transformers
+
+    runtime, server = both_apis
+    tok = runtime.tokenizer
+    with InferenceClient(f"127.0.0.1:{server.port}", timeout_s=120) as c:
+        prompt = tok.encode("The weather today")
+        chunks = list(c.generate(prompt, max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=5))
+    got = [lp for ch in chunks for lp in ch.logprobs]
+    tokens = [t for t, _, _ in got]
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_with_tokenizer, torch_dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    want = torch.log_softmax(logits.double(), -1)
+    for i, (token, logprob, top) in enumerate(got):
+        assert logprob == pytest.approx(want[i, token].item(), abs=2e-3)
+        top_ids = [t for t, _ in top]
+        assert top_ids[0] == token  # greedy: the chosen token is the most likely
+        assert [v for _, v in top] == pytest.approx(want[i, top_ids].tolist(), abs=2e-3)
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    http = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1", api_key="none", max_retries=0)
+    model_name = http.models.list().data[0].id
+    for seed in (1, 2):
+        r = http.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "Describe yourself as JSON."}], seed=seed,
+            max_tokens=60, temperature=1.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "me", "schema": schema}},
+        )  # fmt: skip
+        assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)

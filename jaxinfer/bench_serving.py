@@ -55,6 +55,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.request import FinishReason
+
 __all__ = [
     "BenchConfig",
     "BenchRequest",
@@ -78,7 +80,7 @@ __all__ = [
 ]
 
 PERCENTILES = (50, 90, 95, 99)
-_COMPLETED = ("stop", "length")
+_COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
 BACKENDS = ("grpc", "openai")
 DEFAULT_TARGETS = {"grpc": "127.0.0.1:50051", "openai": "http://127.0.0.1:8000"}
 _NO_MULTI_TURN_OVER_HTTP = (

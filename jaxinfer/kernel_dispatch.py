@@ -129,7 +129,7 @@ def attention_xla(
 
     k, v may be narrower than q (a bfloat16 cache under float32 activations). Decode of more than
     ROWS_AS_VECTORS rows then multiplies in the cache's dtype, rounding the query as llama.cpp does with
-    its f16 cache, so the cache slice is never widened (SmolLM2 at 16 rows: 55 -> 46 ms per step); below
+    its f16 cache, so the cache slice is never widened (a sixth of a SmolLM2 step at 16 rows); below
     that, and in prefill, float32 products are as fast and exact.
     """
     b, t, h, d = q.shape
@@ -140,7 +140,7 @@ def attention_xla(
     if t == 1:  # decode: a 4-d form without the unit axis lowers to much faster dots on XLA:CPU
         qg = q.reshape(b, num_kv, h // num_kv, d)
         # Keys as the left operand ([s, d] x [d, g]): XLA:CPU's YNNPACK dot then packs the small query
-        # block, not the keys (SmolLM2 at 256 positions: 34 -> 15 us per layer).
+        # block, not the keys (less than half the time per layer, SmolLM2 at 256 positions).
         scores = jnp.einsum("kbsd,bkgd->bksg", k, qg, preferred_element_type=jnp.float32)
         scores = jnp.swapaxes(scores, -1, -2) * scale
         bias = bias[:, None]  # [b, 1, 1, s]
@@ -210,8 +210,8 @@ def decode_attention_pallas(
 
 
 # A decode step of one row keeps XLA attention: after a custom call, XLA:CPU's next matrix-vector
-# product (split over both threads) ran ~4x slower, a SmolLM2 step 9 -> 12 ms, while attention over
-# one row costs little either way. From 2 rows the kernel wins (SmolLM2 4 streams 296 -> 401 tokens/s).
+# product (split over both threads) runs ~4x slower, a third more per SmolLM2 step, while attention
+# over one row costs little either way. From 2 rows the kernel wins (SmolLM2 at 4 streams: 1.35x).
 NATIVE_ATTENTION_MIN_ROWS = 2
 
 

@@ -39,7 +39,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     rms = jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     # Dividing by a full-shape array keeps the normalised rows in a buffer of their own: XLA:CPU copies a
     # multiply by rsqrt (what it rewrites x / sqrt(.) into) into the next matmul's loop and recomputes it
-    # for every output column (gate_up 77 -> 61 us, logits 1.4 -> 1.0 ms per SmolLM2 step at one row).
+    # for every output column (at one row that makes SmolLM2's gate_up a quarter slower, its logits 40%).
     # `0 * x` is not folded for floats (x may be inf or NaN), so the division stays; it changes no value.
     return (x32 * weight.astype(jnp.float32) / (rms + 0.0 * x32)).astype(x.dtype)
 

@@ -82,8 +82,8 @@ class ApiError(Exception):
         return JSONResponse({"error": body}, status_code=self.status)
 
 
-def _bad_request(e: RequestError) -> ApiError:
-    return ApiError(400, str(e), type="invalid_request_error", param=e.param)
+def _bad_request(e: ValueError) -> ApiError:
+    return ApiError(400, str(e), type="invalid_request_error", param=getattr(e, "param", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,7 +351,7 @@ def build_app(server: OpenAIServer, *, api_key: str | None = None, metrics_regis
             # Tokenising, grammar compilation and admission run off the event loop.
             parsed = await run_in_threadpool(server.parse, body, chat=chat)
             handles = await run_in_threadpool(server.submit, parsed, request_id)
-        except RequestError as e:
+        except ValueError as e:  # RequestError, or a request the KV pool could never hold
             raise _bad_request(e) from None
         except QueueFull as e:
             raise ApiError(429, str(e), type="rate_limit_error", code="queue_full") from None

@@ -171,6 +171,7 @@ class Orchestrator:
         self.tokenizer = tokenizer
         if structured_output is None:
             structured_output = GrammarCompiler.supports(tokenizer)
+        self._grammar = GrammarCompiler(tokenizer) if structured_output else None
         self.metrics = metrics if metrics is not None else ServingMetrics()
         self.on_fatal = on_fatal
         self._scheduler = Scheduler(
@@ -183,7 +184,7 @@ class Orchestrator:
             prefill_token_budget=prefill_token_budget,
             enable_prefix_caching=enable_prefix_caching,
             detokenizer_factory=tokenizer.detokenizer,
-            grammar_compiler=GrammarCompiler(tokenizer) if structured_output else None,
+            grammar_compiler=self._grammar,
         )
         self._cond = threading.Condition()  # guards _scheduler and the flags below
         # Live handles: added by submit(), removed by the stream thread when the last event is sent.
@@ -224,6 +225,9 @@ class Orchestrator:
         vocab, context = self.tokenizer.vocab_size, self.engine.max_seq_len
         check_request(prompt, sampling, vocab_size=vocab, max_seq_len=context)
         sampling = with_eos(sampling, self.tokenizer.eos_ids)
+        matcher = None
+        if sampling.structured_output is not None and self._grammar is not None:
+            matcher = self._grammar.matcher(sampling.structured_output)  # compiles: not under the lock
         if not request_id:
             request_id = f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
         with self._cond:
@@ -231,7 +235,7 @@ class Orchestrator:
                 raise NotAccepting("the server is not accepting requests (stopping or failed)")
             if request_id in self._handles:
                 raise ValueError(f"request_id {request_id!r} is already in flight")
-            self._scheduler.add_request(request_id, prompt, sampling)  # may raise QueueFull / ValueError
+            self._scheduler.add_request(request_id, prompt, sampling, matcher)  # QueueFull / ValueError
             handle = RequestHandle(request_id, len(prompt), self)
             self._handles[request_id] = handle
             self._cond.notify_all()

@@ -160,8 +160,8 @@ def greedy_tokens(logits: jax.Array) -> jax.Array:
     by a min over the indices holding it, and both read every logit at ~2 GB/s: 9.7 ms a step for
     Gemma's 262k-token vocabulary at 16 slots. So the vocabulary is cut into blocks of up to
     GREEDY_BLOCK (a power of two that divides it): one fast max per block, then the two passes only
-    over the block maxima and over the one block that holds the first maximum (16 x 262k: 9.7 -> 0.8
-    ms; one SmolLM2 row: 0.17 -> 0.13 ms).
+    over the block maxima and over the one block that holds the first maximum (a twelfth of the plain
+    argmax's time at 16 x 262k).
     """
     vocab = logits.shape[-1]
     block = math.gcd(vocab, GREEDY_BLOCK)

@@ -52,7 +52,7 @@ from jaxinfer.engine import (
 )
 from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
-from jaxinfer.request import FinishReason, SamplingParams
+from jaxinfer.request import FinishReason, RequestError, SamplingParams
 from jaxinfer.structured_output import GrammarCompiler, Matcher
 
 
@@ -314,9 +314,18 @@ class Scheduler:
 
     # ---- admission and finishing --------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        matcher: Matcher | None = None,
+    ) -> None:
         """Queues a request whose fields request.check_request accepted. Raises ValueError when the
-        KV pool could never hold it, QueueFull when the queue is full."""
+        KV pool could never hold it, QueueFull when the queue is full.
+
+        matcher: the request's grammar state, when the caller compiled it already (outside its lock);
+        else it is compiled here from sampling.structured_output."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         total = len(prompt_token_ids) + sampling.max_tokens
@@ -331,14 +340,13 @@ class Scheduler:
         if sampling.stop and self._detokenizer_factory is None:
             raise ValueError("stop strings need a detokenizer_factory")
         if sampling.structured_output is not None and self._grammar is None:
-            raise ValueError("structured output needs a grammar_compiler")
+            raise RequestError("structured output is not served here", "structured_output")
         if len(self._waiting) >= self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
         text = None
         if self._detokenizer_factory is not None:
             text = _StopStringText(self._detokenizer_factory(), sampling.stop)
-        matcher = None
-        if sampling.structured_output is not None:
+        if sampling.structured_output is not None and matcher is None:
             matcher = self._grammar.matcher(sampling.structured_output)
         seq = SequenceState(request_id, tuple(int(t) for t in prompt_token_ids), sampling, text, matcher)
         self._requests[request_id] = seq

@@ -127,9 +127,7 @@ def test_parse_input_rejects_bad_values_without_a_model(tmp_path):
     _write_jsonl(tmp_path / "in.jsonl", rows)
     errors = tmp_path / "errors.txt"
     with open(errors, "w") as f:
-        items, num_lines, num_bad = parse_input(
-            tmp_path / "in.jsonl", tokenizer=tok, engine=engine, errors=f
-        )
+        items, num_lines, num_bad = parse_input(tmp_path / "in.jsonl", tokenizer=tok, engine=engine, errors=f)
     reported = errors.read_text().splitlines()
     assert (num_lines, num_bad, len(reported)) == (7, 6, 6)
     fragments = ["id=True", "top_k=1.5", "stop=", "colour", "messages", "max_tokens"]

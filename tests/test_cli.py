@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +113,13 @@ def test_int8_convert_round_trip(capsys, tmp_path, tiny_with_tokenizer):
     code, out, err = _run(capsys, "generate", "--model", str(out_dir), *greedy, "Hi")
     assert code == 0, err
     assert json.loads(out)["token_ids"] == expected
+
+
+def test_the_readme_first_command_answers_correctly(capsys):
+    """The README's first command, as written there, on the embedded default model."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    [line] = [s for s in readme.splitlines() if "&& .venv/bin/jaxinfer generate" in s][:1]
+    argv = shlex.split(line.split(".venv/bin/jaxinfer", 1)[1])
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert "Paris" in out

@@ -30,7 +30,7 @@ from jaxinfer.quantization import (
     quantize_params,
     weight_bytes,
 )
-from jaxinfer.registry import DEFAULT_MODEL, resolve_model
+from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, resolve_model
 from jaxinfer.request import ModelDefaults
 from jaxinfer.sharding import TENSOR, make_mesh, param_placement
 from jaxinfer.tokenizer import Tokenizer
@@ -87,7 +87,9 @@ class Runtime:
     def model_info(self) -> dict:
         c, cache = self.config, self.engine.cache_config
         return {
-            "model_name": c.name or str(self.options.model),
+            # What clients name the model (OpenAI's `model` field): an embedded model's registry name,
+            # else the checkpoint's own name or its path.
+            "model_name": model if (model := str(self.options.model)) in EMBEDDED_MODELS else c.name or model,
             "architecture": c.arch,
             "context_length": cache.max_len,
             "vocab_size": c.vocab_size,

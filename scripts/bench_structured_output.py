@@ -25,8 +25,13 @@ from jaxinfer.generate import generate
 from jaxinfer.request import SamplingParams, StructuredKind, StructuredOutput
 from jaxinfer.runtime import RuntimeOptions, build_runtime
 
-SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}}
-PROMPT = "List every colour you know as a JSON array of strings:"
+SCHEMA = {
+    "type": "object",
+    "properties": {"story": {"type": "string", "minLength": 2000}},
+    "required": ["story"],
+    "additionalProperties": False,
+}
+PROMPT = 'Tell a long story, as JSON: {"story": "..."}.'
 
 
 def tpot_ms(runtime, prompts, sampling) -> tuple[float, list]:

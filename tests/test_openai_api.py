@@ -239,6 +239,12 @@ def test_curl_streams_sse_and_reports_errors(server):
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout.rsplit("\n", 1)  # fmt: skip
     assert bad[1] == "400" and json.loads(bad[0])["error"]["param"] == "temperature"
+    denied = subprocess.run(
+        ["curl", "-s", "-w", "\n%{http_code}", url, "-H", "Authorization: Bearer wrong",
+         "-d", json.dumps(body)],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout.rsplit("\n", 1)  # fmt: skip
+    assert denied[1] == "401" and json.loads(denied[0])["error"]["code"] == "invalid_api_key"
 
 
 def test_a_client_that_disconnects_frees_its_slot():

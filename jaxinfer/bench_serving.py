@@ -1057,6 +1057,8 @@ def add_bench_serving_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    from jaxinfer.client import api_key_or_env
+
     if args.sweep_rates:
         try:
             rates = tuple(float(r) for r in args.sweep_rates.split(","))
@@ -1065,7 +1067,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     else:
         rates = (args.request_rate,)
     return BenchConfig(
-        target=args.target, backend=args.backend, api_key=args.api_key or os.environ.get("JAXINFER_API_KEY"),
+        target=args.target, backend=args.backend, api_key=api_key_or_env(args.api_key),
         vocab_size=args.vocab_size, dataset=args.dataset, dataset_path=args.dataset_path,
         num_prompts=args.num_prompts, input_len=LengthDistribution.parse(args.input_len),
         output_len=LengthDistribution.parse(args.output_len), max_output_len=args.max_output_len,

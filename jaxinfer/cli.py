@@ -229,12 +229,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from jaxinfer import multihost
+    from jaxinfer.client import api_key_or_env
     from jaxinfer.orchestrator import Orchestrator
     from jaxinfer.runtime import build_runtime
     from jaxinfer.service import TlsFiles, serve_forever
 
     log = logging.getLogger("jaxinfer.serve")
-    api_key = args.api_key or os.environ.get("JAXINFER_API_KEY") or None
+    api_key = api_key_or_env(args.api_key)
     if (args.tls_cert is None) != (args.tls_key is None):
         raise UserError("--tls-cert and --tls-key go together")
     tls = None

@@ -19,6 +19,12 @@ _FINISH_REASONS = {pb.FINISH_REASON_UNSPECIFIED: None} | {
     pb.FinishReason.Value(f"FINISH_REASON_{r.name}"): r for r in FinishReason
 }
 _MAP_FIELDS = ("mesh", "sampling_defaults")
+API_KEY_ENV = "JAXINFER_API_KEY"
+
+
+def api_key_or_env(given: str | None) -> str | None:
+    """The API key a command was given, else $JAXINFER_API_KEY, else None (for servers and clients)."""
+    return given or os.environ.get(API_KEY_ENV) or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,7 +192,7 @@ def client_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed}
     sampling["json_schema"] = args.json_schema
-    api_key = args.api_key or os.environ.get("JAXINFER_API_KEY")
+    api_key = api_key_or_env(args.api_key)
     with InferenceClient(args.target, timeout_s=args.timeout, api_key=api_key, tls_ca=args.tls_ca) as client:
         if args.chat:
             stream = client.generate(

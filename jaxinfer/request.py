@@ -234,15 +234,8 @@ def parse_sampling(fields: Mapping[str, Any], *, defaults: ModelDefaults | None 
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             errors.append(RequestError("stop_token_ids must be a list of integers", "stop_token_ids"))
         values["stop_token_ids"] = tuple(ids)
-    for name in (
-        "temperature",
-        "top_p",
-        "min_p",
-        "repetition_penalty",
-        "presence_penalty",
-        "frequency_penalty",
-    ):
-        if name in values:
+    for name in values:
+        if FIELD_TYPES[name] == _NUMBER:  # a JSON 1 is the float 1.0
             values[name] = float(values[name])
     _raise(errors)
     if "seed" not in values:

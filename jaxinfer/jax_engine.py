@@ -36,8 +36,9 @@ from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.model import forward
 from jaxinfer.params import Params
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
-from jaxinfer.sampling import ALLOW_ALL, SlotSampling, sample, split_seed, token_logprobs
+from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
+from jaxinfer.structured_output import ALLOW_ALL, allow_all, mask_words
 
 log = logging.getLogger(__name__)
 
@@ -354,14 +355,13 @@ class JaxEngine(api.Engine):
         """Token masks [rows, words] in the model's vocabulary width, replicated: tokens a shorter
         tokenizer vocabulary lacks are never allowed to a constrained row. Without masks, a cached
         allow-all array, so nothing crosses to the device."""
-        words = (self.config.vocab_size + 31) // 32
+        words = mask_words(self.config.vocab_size)
         replicated = NamedSharding(self.mesh, P())
         if masks is None:
             if rows not in self._allow_all:
-                allow_all = np.full((rows, words), ALLOW_ALL, np.int32)
-                self._allow_all[rows] = jax.device_put(allow_all, replicated)
+                self._allow_all[rows] = jax.device_put(allow_all(rows, words), replicated)
             return self._allow_all[rows]
-        out = np.full((rows, words), ALLOW_ALL, np.int32)
+        out = allow_all(rows, words)
         given = np.asarray(masks, np.int32)[:rows]
         width = min(words, given.shape[1])
         constrained = ~np.all(given == ALLOW_ALL, axis=1)

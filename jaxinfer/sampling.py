@@ -19,6 +19,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.structured_output import ALLOW_ALL
+
 CANDIDATES = 256
 
 
@@ -52,9 +54,6 @@ def apply_penalties(logits: jax.Array, counts: jax.Array, s: SlotSampling) -> ja
 
     active = (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
     return jax.lax.cond(jnp.any(active), penalise, lambda: logits)
-
-
-ALLOW_ALL = -1  # a mask word with every bit set
 
 
 def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:

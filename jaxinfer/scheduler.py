@@ -53,7 +53,7 @@ from jaxinfer.engine import (
 from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
 from jaxinfer.request import FinishReason, RequestError, SamplingParams
-from jaxinfer.structured_output import GrammarCompiler, Matcher
+from jaxinfer.structured_output import GrammarCompiler, Matcher, allow_all
 
 
 class QueueFull(Exception):
@@ -572,7 +572,7 @@ class Scheduler:
         if decode_owners:
             masks = None
             if constrained:
-                masks = np.full((self.num_slots, self._grammar.num_words), -1, np.int32)
+                masks = allow_all(self.num_slots, self._grammar.num_words)
                 self._grammar.fill_masks(constrained, masks)
             batch = DecodeBatch(positions, self._page_table.copy(), masks)
         self._check_invariants()

@@ -25,9 +25,21 @@ from jaxinfer.request import RequestError, StructuredKind, StructuredOutput
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
+ALLOW_ALL = -1  # a mask word with every bit set
+
 
 def mask_words(vocab_size: int) -> int:
+    """int32 words of one token mask over `vocab_size` tokens."""
     return (vocab_size + 31) // 32
+
+
+def allow_all(rows: int, num_words: int) -> np.ndarray:
+    """[rows, num_words] masks that allow every token."""
+    return np.full((rows, num_words), ALLOW_ALL, np.int32)
+
+
+def token_allowed(mask: np.ndarray, token_id: int) -> bool:
+    return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -115,15 +127,3 @@ class Matcher:
     def is_stopped(self) -> bool:
         """The grammar is complete: nothing (but end of sequence) may follow."""
         return self._m.is_stopped()
-
-    @property
-    def error(self) -> str | None:
-        return self._m.get_error() if self._m.is_error() else None
-
-
-def allow_all(num_words: int) -> np.ndarray:
-    return np.full(num_words, -1, np.int32)
-
-
-def token_allowed(mask: np.ndarray, token_id: int) -> bool:
-    return bool((int(mask[token_id // 32]) >> (token_id % 32)) & 1)

@@ -37,6 +37,7 @@ from jaxinfer.engine import (
     StepOutput,
 )
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
+from jaxinfer.structured_output import token_allowed
 
 # --------------------------------------------------------------------------------------------------
 # MockEngine
@@ -59,7 +60,7 @@ def _first_allowed(token: int, mask: np.ndarray | None, vocab_size: int) -> int:
         return token
     for step in range(vocab_size):
         t = (token + step) % vocab_size
-        if (int(mask[t // 32]) >> (t % 32)) & 1:
+        if token_allowed(mask, t):
             return t
     raise ValueError("the token mask allows nothing")
 

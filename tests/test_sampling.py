@@ -20,6 +20,7 @@ from jaxinfer.sampling import (
     split_seed,
     token_logprobs,
 )
+from jaxinfer.structured_output import allow_all, mask_words
 
 VOCAB = 50
 
@@ -36,7 +37,7 @@ def _settings(n: int, **overrides) -> SlotSampling:
 
 
 def _allow_all(rows: int, vocab: int) -> jax.Array:
-    return jnp.full((rows, (vocab + 31) // 32), -1, jnp.int32)
+    return jnp.asarray(allow_all(rows, mask_words(vocab)))
 
 
 def _draw(logits: np.ndarray, draws: int, mask: np.ndarray | None = None, **overrides) -> np.ndarray:
@@ -122,7 +123,7 @@ def test_token_mask_keeps_exactly_the_allowed_tokens(vocab):
     logits = rng.normal(size=vocab).astype(np.float32)
     allowed = rng.random(vocab) < 0.2
     allowed[rng.integers(vocab)] = True
-    bits = np.zeros((vocab + 31) // 32 * 32, bool)
+    bits = np.zeros(mask_words(vocab) * 32, bool)
     bits[:vocab] = allowed
     mask = (
         np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4")[:, 0].astype(np.uint32).view(np.int32)

@@ -17,6 +17,9 @@ from collections.abc import Sequence
 
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
 
+# quantization.QUANTIZATION_MODES, spelled out so that `jaxinfer --help` does not import jax
+QUANTIZATION_MODES = ("none", "int8", "int4")
+
 EXIT_USAGE = 2
 
 
@@ -60,8 +63,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prefill bucket")
     p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
     p.add_argument(
-        "--quantize", default="auto", choices=["auto", "none", "int8"],
-        help="weight quantisation; auto: int8 on CPU (faster there, 92-96%% greedy agreement), else none",
+        "--quantize", default="auto", choices=["auto", *QUANTIZATION_MODES],
+        help="weight quantisation; int4 repacks a GGUF file's 4-bit blocks as they are; "
+        "auto: int8 on CPU (faster there, 92-96%% greedy agreement), else none",
     )  # fmt: skip
     p.add_argument(
         "--weights-cache", default=None,
@@ -373,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="write a model as an orbax checkpoint folder")
     c.add_argument("--model", default=DEFAULT_MODEL)
     c.add_argument("--dtype", default=None)
-    c.add_argument("--quantize", default="none", choices=["none", "int8"], help="store int8 weights")
+    c.add_argument(
+        "--quantize", default="none", choices=QUANTIZATION_MODES, help="store int8 or int4 weights"
+    )
     c.add_argument("output")
     c.set_defaults(func=cmd_convert)
     return parser

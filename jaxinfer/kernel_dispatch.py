@@ -3,9 +3,8 @@
 All choices are made at trace time from static facts (KernelConfig, the number of rows, the weight's
 type), so the compiled step contains exactly one form of each operation.
 
-A linear weight is either a float array [out, in] or an int8-quantised dict {"q": int8 [out, in],
-"scale": float32 [out]} (one scale per output channel, see quantization.py), optionally with "bf16":
-the dequantised weight in bfloat16 [out, in] for products of several rows on CPU.
+A linear weight is a float array [out, in] or one of weight_formats' types (Int8Weight, Int4Weight,
+PackedInt4Weight); the type chooses the kernel family, KernelConfig and the row count the member.
 """
 
 from __future__ import annotations
@@ -14,8 +13,14 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig
-from jaxinfer.cpu_kernels import decode_attention_cpu, decode_attention_supports, int8_matmul_vnni
-from pallas_kernels import int8_matmul, quantize_int8
+from jaxinfer.cpu_kernels import (
+    decode_attention_cpu,
+    decode_attention_supports,
+    int4_matmul_cpu,
+    int8_matmul_vnni,
+)
+from jaxinfer.weight_formats import Int4Weight, Int8Weight, PackedInt4Weight
+from pallas_kernels import int4_matmul, int8_matmul, quantize_int8
 from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
 MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not NaN
@@ -29,17 +34,13 @@ MASK_VALUE = -1e30  # finite: a fully masked row gives a uniform softmax, not Na
 ROWS_AS_VECTORS = 4
 
 
-def is_quantized(w) -> bool:
-    return isinstance(w, dict) and "q" in w
-
-
 def _dot_nt(x: jax.Array, w: jax.Array, out_type=None) -> jax.Array:
     """x [..., in] . w [out, in] -> [..., out], contracting the last dims directly."""
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_type)
 
 
 def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
-    """x: [..., in]; w: [out, in] float array or int8 dict -> [..., out] in x's dtype.
+    """x: [..., in]; w: [out, in] float array or a weight_formats type -> [..., out] in x's dtype.
 
     The spelling of each form matters on XLA:CPU (measured on a 20-layer SmolLM2-shaped MLP chain):
     `x @ w.T` beats the equivalent last-dim dot_general 2x at one row; the int8 weight converted after
@@ -48,25 +49,43 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     weights against ~28 at one row); the native VNNI kernel (from 2 rows, quantization.add_vnni_weights),
     a bf16 copy (quantization.add_bf16_copies, past ROWS_AS_VECTORS rows) or int8 activations take over.
     """
-    if not is_quantized(w):
+    if isinstance(w, Int8Weight):
+        y = _int8_linear(x.reshape(-1, x.shape[-1]), w, kernels)
+    elif isinstance(w, PackedInt4Weight):
+        y = int4_matmul_cpu(x.reshape(-1, x.shape[-1]), w)
+    elif isinstance(w, Int4Weight):
+        y = _int4_linear(x.reshape(-1, x.shape[-1]), w, kernels)
+    else:
         return x @ w.astype(x.dtype).T
-    q, scale = w["q"], w["scale"]
-    x2 = x.reshape(-1, x.shape[-1])  # [rows, in]
+    return y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
+
+
+def _int8_linear(x2: jax.Array, w: Int8Weight, kernels: KernelConfig) -> jax.Array:
+    """x2 [rows, in] . Int8Weight -> [rows, out]."""
+    q, scale = w.q, w.scale
     rows = x2.shape[0]
     if kernels.matmul == "pallas":
-        y = int8_matmul(x2, q, scale, interpret=kernels.interpret)
-    elif rows > 1 and kernels.int8_activations:
-        y = _int8_activation_linear(x2, q, scale)
-    elif kernels.matmul == "native" and "vnni" in w and rows > 1:
-        y = int8_matmul_vnni(x2, w["vnni"], scale)
-    elif rows <= ROWS_AS_VECTORS:
+        return int8_matmul(x2, q, scale, interpret=kernels.interpret)
+    if rows > 1 and kernels.int8_activations:
+        return _int8_activation_linear(x2, q, scale)
+    if kernels.matmul == "native" and w.vnni is not None and rows > 1:
+        return int8_matmul_vnni(x2, w.vnni, scale)
+    if rows <= ROWS_AS_VECTORS:
         # One matrix-vector product per row: XLA fuses the int8 -> float conversion into each (memory bound).
-        y = jnp.concatenate([_weight_only(x2[i : i + 1], q, scale) for i in range(rows)])
-    elif "bf16" in w:
-        y = _dot_nt(x2.astype(jnp.bfloat16), w["bf16"], out_type=jnp.float32)
-    else:
-        y = _weight_only(x2, q, scale)  # the slow form at several rows, for lack of a bf16 copy
-    return y.reshape(*x.shape[:-1], q.shape[0]).astype(x.dtype)
+        return jnp.concatenate([_weight_only(x2[i : i + 1], q, scale) for i in range(rows)])
+    if w.bf16 is not None:
+        return _dot_nt(x2.astype(jnp.bfloat16), w.bf16, out_type=jnp.float32)
+    return _weight_only(x2, q, scale)  # the slow form at several rows, for lack of a bf16 copy
+
+
+def _int4_linear(x2: jax.Array, w: Int4Weight, kernels: KernelConfig) -> jax.Array:
+    """x2 [rows, in] . Int4Weight -> [rows, out]: the Pallas kernel, or XLA over the dequantised weight
+    (the reference form; on CPU the native kernel serves PackedInt4Weight instead)."""
+    if kernels.matmul == "pallas":
+        return int4_matmul(
+            x2, w.packed, w.scale, w.minimum, group_size=w.group_size, interpret=kernels.interpret
+        )
+    return x2 @ w.dequantize(x2.dtype).T
 
 
 def _weight_only(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
@@ -97,11 +116,17 @@ def _int8_activation_linear(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax
 
 
 def embed(table, tokens: jax.Array, dtype) -> jax.Array:
-    """Rows of the embedding table [vocab, hidden] (float or int8 dict) for tokens [...] -> [..., hidden]."""
-    if not is_quantized(table):
-        return jnp.take(table, tokens, axis=0).astype(dtype)
-    rows = jnp.take(table["q"], tokens, axis=0).astype(jnp.float32)
-    return (rows * jnp.take(table["scale"], tokens, axis=0)[..., None]).astype(dtype)
+    """Rows of the embedding table [vocab, hidden] (float, Int8Weight or Int4Weight) for tokens [...]
+    -> [..., hidden]: only the looked-up rows are dequantised."""
+    if isinstance(table, Int8Weight):
+        rows = jnp.take(table.q, tokens, axis=0).astype(jnp.float32)
+        return (rows * jnp.take(table.scale, tokens, axis=0)[..., None]).astype(dtype)
+    if isinstance(table, Int4Weight):
+        flat = tokens.reshape(-1)
+        picked = Int4Weight(*(jnp.take(a, flat, axis=0) for a in (table.packed, table.scale, table.minimum)),
+                            table.group_size)  # fmt: skip
+        return picked.dequantize(dtype).reshape(*tokens.shape, table.shape[1])
+    return jnp.take(table, tokens, axis=0).astype(dtype)
 
 
 def attention_bias(q_positions: jax.Array, key_len: int, sliding_window: int | None) -> jax.Array:

@@ -157,6 +157,40 @@ def _layer(
     return x + h, cache
 
 
+def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """tokens [b, t] -> the first layer's input [b, t, hidden] in the params' float dtype."""
+    x = embed(params["embed"], tokens, params["final_norm"].dtype)
+    if config.embed_scale != 1.0:
+        # Gemma rounds the scale to the activation dtype before multiplying.
+        x = x * jnp.asarray(config.embed_scale, dtype=x.dtype)
+    return x
+
+
+def layer_runner(config: ModelConfig, positions: jax.Array, cache: KVCache, page_table: jax.Array):
+    """What every layer of one step shares (RoPE tables, attention biases, cache slots), built once;
+    returns run(index, layer_params, x, cache, kernels) -> (x, cache), one layer of the step."""
+    c = config
+    # Padding positions (-1) only mark writes to drop; clamp them for RoPE and masks.
+    rope_pos = jnp.maximum(positions, 0)
+    global_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+    local_rope = global_rope
+    if "sliding_attention" in c.layer_types:
+        local_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_local_theta, RopeScaling()))
+    attend_len = page_table.shape[1] * cache.page_size
+    global_bias = attention_bias(rope_pos, attend_len, None)
+    local_bias = global_bias
+    if "sliding_attention" in c.layer_types:
+        local_bias = attention_bias(rope_pos, attend_len, c.sliding_window)
+    write_at = cache.page_slots(page_table, positions)
+
+    def run(index: int, layer_params, x: jax.Array, cache: KVCache, kernels: KernelConfig):
+        local = c.layer_types[index] == "sliding_attention"
+        rope, bias = (local_rope, local_bias) if local else (global_rope, global_bias)
+        return _layer(c, index, layer_params, x, positions, rope, bias, cache, page_table, write_at, kernels)
+
+    return run
+
+
 def forward(
     params: Params,
     config: ModelConfig,
@@ -175,28 +209,10 @@ def forward(
     `page_table` is static (a bucket), its contents are data.
     """
     c = config
-    dtype = params["final_norm"].dtype
-    x = embed(params["embed"], tokens, dtype)
-    if c.embed_scale != 1.0:
-        # Gemma rounds the scale to the activation dtype before multiplying.
-        x = x * jnp.asarray(c.embed_scale, dtype=x.dtype)
-    # Padding positions (-1) only mark writes to drop; clamp them for RoPE and masks.
-    rope_pos = jnp.maximum(positions, 0)
-    global_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
-    local_rope = global_rope
-    if "sliding_attention" in c.layer_types:
-        local_rope = rope_tables(rope_pos, rope_inv_freq(c.head_dim, c.rope_local_theta, RopeScaling()))
-    attend_len = page_table.shape[1] * cache.page_size
-    global_bias = attention_bias(rope_pos, attend_len, None)
-    local_bias = global_bias
-    if "sliding_attention" in c.layer_types:
-        local_bias = attention_bias(rope_pos, attend_len, c.sliding_window)
-    write_at = cache.page_slots(page_table, positions)
-
+    x = embed_tokens(params, config, tokens)
+    run_layer = layer_runner(config, positions, cache, page_table)
     for i, layer_params in enumerate(params["layers"]):
-        local = c.layer_types[i] == "sliding_attention"
-        rope, bias = (local_rope, local_bias) if local else (global_rope, global_bias)
-        x, cache = _layer(c, i, layer_params, x, positions, rope, bias, cache, page_table, write_at, kernels)
+        x, cache = run_layer(i, layer_params, x, cache, kernels)
     x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [b, hidden]

@@ -1,108 +1,159 @@
-"""Weight-only int8 quantisation of a params pytree, once, at load or convert time.
+"""Weight quantisation of a params pytree, once, at load or convert time: which leaves, which format.
 
-Every linear weight [out, in] and the embedding table [vocab, hidden] become {"q": int8 [out, in],
-"scale": float32 [out]} (symmetric, one scale per output channel = per vocabulary row for the table,
-so the same scales serve the embedding lookup and the tied logits projection). Norms stay float.
-Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
+The formats themselves are weight_formats' types. `quantize_params(params, mode)`:
+  int8: every linear weight [out, in] and the embedding table [vocab, hidden] become Int8Weight.
+  int4: the linear weights of every layer become Int4Weight (groups of 32 inputs, round-to-nearest or
+        with calibrated clipping ranges, see calibrate_int4); the embedding table and an untied lm_head
+        become Int8Weight, as llama.cpp's 4-bit files keep them at 6-8 bits: they are a small share of
+        a large model's bytes and the logits are sensitive to them.
+Norms stay float. Leaves already quantised (a GGUF file's own 4-bit blocks, loading/gguf_loader.py) are
+kept. Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
 memory stays near one float copy.
 
-`add_vnni_weights` gives each int8 leaf the same bytes packed for the native VNNI kernel, which serves
-products of two or more rows on x86 CPUs with AVX-512 VNNI (cpu_kernels/int8_matmul_vnni.py). Without it,
-`add_bf16_copies` gives each int8 leaf a third array, "bf16": the dequantised weight in bfloat16, for
-products of more than a few rows on XLA:CPU (kernel_dispatch.ROWS_AS_VECTORS). There the int8 form is
-only fast as a matrix-vector product, while a bf16 x bf16 -> f32 dot at 16-512 rows is as fast as an
-int8 x int8 one without quantising the activations (measured on SmolLM2's shapes: 16 rows 29.7 vs
-29.2 ms, 128 rows 106 vs 135 ms, before the int8 form's outlier handling). It triples the weight
-memory of the int8 model (still 75% of f32).
+Kernel forms, added after quantisation for the backend that runs them (runtime.build_runtime):
+`add_vnni_weights` gives each Int8Weight the same bytes packed for the native VNNI kernel, which serves
+products of two or more rows on x86 CPUs (cpu_kernels/int8_matmul_vnni.py). Without it,
+`add_bf16_copies` gives each Int8Weight a "bf16" copy for products of more than a few rows on XLA:CPU
+(kernel_dispatch.ROWS_AS_VECTORS): there the int8 form is only fast as a matrix-vector product, while a
+bf16 x bf16 -> f32 dot at 16-512 rows is as fast as an int8 x int8 one without quantising the
+activations (measured on SmolLM2's shapes: 16 rows 29.7 vs 29.2 ms, 128 rows 106 vs 135 ms). It triples
+the weight memory of the int8 model (still 75% of f32). `pack_int4_weights` replaces each Int4Weight by
+the native int4 kernel's layout (cpu_kernels/int4_matmul.py), which serves every row count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels import pack_weight
+from jaxinfer.cpu_kernels import int4_matmul_supports, pack_int4, pack_weight
 from jaxinfer.cpu_kernels import supports as supports_vnni
-from jaxinfer.kernel_dispatch import is_quantized
 from jaxinfer.params import Params
-from pallas_kernels import quantize_int8
+from jaxinfer.weight_formats import (
+    Int4Weight,
+    Int8Weight,
+    format_name,
+    int4_group_size,
+    is_quantized,
+    quantize_int4,
+    quantize_int8,
+)
 
-QUANTIZED_LEAVES = frozenset(
-    {"embed", "lm_head", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+LINEAR_LEAVES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     | {"qkv_proj", "gate_up_proj"}  # fused forms (params.fuse_projections)
 )
-QUANTIZATION_MODES = ("none", "int8")
+TABLE_LEAVES = frozenset({"embed", "lm_head"})
+QUANTIZED_LEAVES = LINEAR_LEAVES | TABLE_LEAVES
+QUANTIZATION_MODES = ("none", "int8", "int4")
+INT4_GROUP_SIZE = 32  # GGUF's block; 128 halves the scale bytes at some cost in accuracy
 
-_quantize = jax.jit(quantize_int8)
+_quantize_int8 = jax.jit(quantize_int8)
+_quantize_int4 = jax.jit(quantize_int4, static_argnames="group_size")
 
 
-def _quantize_leaf(w: jax.Array) -> dict[str, jax.Array]:
-    q, scale = _quantize(w)
+def _consume(quantize: Callable, w: jax.Array, *args, **kwargs):
+    quantized = quantize(w, *args, **kwargs)
     w.delete()
-    return {"q": q, "scale": scale}
+    return quantized
 
 
-def quantize_params(params: Params, mode: str = "int8") -> Params:
-    """Returns params with every linear weight in `mode` ("none" returns params unchanged).
+def quantize_params(
+    params: Params, mode: str = "int8", *, group_size: int = INT4_GROUP_SIZE, clips: dict | None = None
+) -> Params:
+    """Returns params with the weights `mode` covers quantised ("none" returns params unchanged).
 
-    Consumes `params`: each float leaf is deleted once its int8 form exists.
+    group_size: int4 group; a weight whose inputs it does not divide takes the largest group size that
+    does (int8 where none does).
+    clips: for int4, optional calibrated clipping factors keyed by (layer index, leaf name)
+    (calibrate_int4); leaves without one are rounded to nearest. Consumes `params`: each float leaf is
+    deleted once its quantised form exists.
     """
     if mode not in QUANTIZATION_MODES:
         raise ValueError(f"unknown quantization {mode!r}; choose one of {QUANTIZATION_MODES}")
     if mode == "none":
         return params
+    clips = clips or {}
 
-    return _map_weights(
-        params, lambda name, w: _quantize_leaf(w) if name in QUANTIZED_LEAVES and not is_quantized(w) else w
-    )
+    def quantize(path: tuple, name: str, w):
+        if name not in QUANTIZED_LEAVES or is_quantized(w):
+            return w
+        group = int4_group_size(w.shape[1], group_size) if mode == "int4" and name in LINEAR_LEAVES else None
+        if group is not None:
+            return _consume(_quantize_int4, w, group_size=group, clip=clips.get(path))
+        return _consume(_quantize_int8, w)
+
+    return map_weights(params, quantize)
 
 
-def _map_weights(params: Params, fn) -> Params:
-    """params with fn(name, weight) applied to every named weight, top-level and in each layer."""
-    top = {name: fn(name, w) for name, w in params.items() if name != "layers"}
-    top["layers"] = [{name: fn(name, w) for name, w in layer.items()} for layer in params["layers"]]
+def map_weights(params: Params, fn) -> Params:
+    """params with fn(path, name, weight) applied to every named weight, top-level (path (name,)) and in
+    each layer (path (layer index, name))."""
+    top = {name: fn((name,), name, w) for name, w in params.items() if name != "layers"}
+    top["layers"] = [
+        {name: fn((i, name), name, w) for name, w in layer.items()}
+        for i, layer in enumerate(params["layers"])
+    ]
     return top
 
 
-@jax.jit
-def _dequantize_bf16(q: jax.Array, scale: jax.Array) -> jax.Array:
-    return (q.astype(jnp.float32) * scale[:, None]).astype(jnp.bfloat16)
+_dequantize_bf16 = jax.jit(lambda w: w.dequantize(jnp.bfloat16))
 
 
 def add_bf16_copies(params: Params) -> Params:
-    """Adds a "bf16" dequantised copy to every int8 weight that lacks one (same sharding as "q")."""
+    """Adds a bf16 dequantised copy to every Int8Weight that lacks one (same sharding as q)."""
 
-    def copy(name: str, w):
-        if is_quantized(w) and "bf16" not in w:
-            return {**w, "bf16": _dequantize_bf16(w["q"], w["scale"])}
+    def copy(path, name: str, w):
+        if isinstance(w, Int8Weight) and w.bf16 is None:
+            return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w))
         return w
 
-    return _map_weights(params, copy)
+    return map_weights(params, copy)
 
 
 _pack_vnni = jax.jit(pack_weight)
 
 
 def add_vnni_weights(params: Params) -> Params:
-    """Adds "vnni", the weight packed for the CPU VNNI kernel (cpu_kernels.int8_matmul_vnni), to every
-    int8 weight whose shape that kernel takes, and a "bf16" copy to the others: the forms that serve
+    """Adds `vnni`, the weight packed for the CPU VNNI kernel (cpu_kernels.int8_matmul_vnni), to every
+    Int8Weight whose shape that kernel takes, and a bf16 copy to the others: the forms that serve
     products of several rows with KernelConfig(matmul="native"). Packing reorders the int8 bytes, so the
     weights take twice the int8 model's memory (the bf16 copies took three times)."""
 
-    def add(name: str, w):
-        if not is_quantized(w) or "vnni" in w:
+    def add(path, name: str, w):
+        if not isinstance(w, Int8Weight) or w.vnni is not None:
             return w
-        if supports_vnni(*w["q"].shape):
-            return {**w, "vnni": _pack_vnni(w["q"])}
-        return {**w, "bf16": _dequantize_bf16(w["q"], w["scale"])} if "bf16" not in w else w
+        if supports_vnni(*w.shape):
+            return Int8Weight(w.q, w.scale, _pack_vnni(w.q), w.bf16)
+        return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w)) if w.bf16 is None else w
 
-    return _map_weights(params, add)
+    return map_weights(params, add)
+
+
+_pack_int4 = jax.jit(pack_int4)
+
+
+def pack_int4_weights(params: Params) -> Params:
+    """Replaces every Int4Weight whose shape the native int4 kernel takes by its PackedInt4Weight."""
+
+    def pack(path, name: str, w):
+        if isinstance(w, Int4Weight) and int4_matmul_supports(*w.shape):
+            packed = _pack_int4(w)
+            jax.tree.map(lambda a: a.delete(), w)
+            return packed
+        return w
+
+    return map_weights(params, pack)
 
 
 def weight_bytes(params: Params) -> int:
-    """Bytes held by every weight array (int8 values and their scales included)."""
+    """Bytes held by every weight array (quantised values, scales and kernel copies included)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
 
 def quantization_of(params: Params) -> str:
-    return "int8" if any(is_quantized(w) for w in params["layers"][0].values()) else "none"
+    """ "int4" when any layer weight is 4-bit, else "int8" when any is quantised, else "none"."""
+    formats = {format_name(w) for layer in params["layers"] for w in layer.values()}
+    return "int4" if "int4" in formats else "int8" if "int8" in formats else "none"

@@ -26,6 +26,7 @@ from jaxinfer.params import fuse_projections
 from jaxinfer.quantization import (
     add_bf16_copies,
     add_vnni_weights,
+    pack_int4_weights,
     quantization_of,
     quantize_params,
     weight_bytes,
@@ -59,7 +60,8 @@ class RuntimeOptions:
     enable_prefix_caching: bool = True
     max_prefill_chunk: int = 512
     mesh: dict[str, int] | None = None
-    quantize: str = "none"  # "int8": weights quantised once at load; "auto": int8 on CPU (resolve_quantize)
+    # "int8" / "int4": weights quantised once at load (quantization.py); "auto": resolve_quantize
+    quantize: str = "none"
     # int8 weights at several rows: quantise activations per row through XLA's int8 x int8 dots. Off by
     # default: on CPU the VNNI kernel (activations in blocks of 32) or, without it, a bf16 weight copy
     # serves several rows faster and more accurately (quantization.py).
@@ -257,6 +259,18 @@ def _cache_config(options: RuntimeOptions, config: ModelConfig, dtype: str) -> C
     )  # fmt: skip
 
 
+def add_kernel_forms(params, kernels: KernelConfig):
+    """The quantised weights in the forms the chosen kernels read: on CPU with native kernels, int8
+    weights gain their VNNI packing and int4 weights take the int4 kernel's layout; with XLA matmuls,
+    int8 weights gain bf16 copies for several rows (quantization.py)."""
+    if kernels.matmul == "native":
+        params = pack_int4_weights(params)
+        return params if kernels.int8_activations else add_vnni_weights(params)
+    if kernels.matmul == "xla" and not kernels.int8_activations:
+        return add_bf16_copies(params)
+    return params
+
+
 def build_runtime(options: RuntimeOptions) -> Runtime:
     """Loads weights straight into their shardings and builds the engine (programs compile lazily or in
     `engine.warmup()`)."""
@@ -276,14 +290,16 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         if kind == "gguf":
             # Parsing a large vocabulary's GGUF metadata takes seconds: parse it once for both.
             reader = open_gguf(path)
-            loaded = load_gguf(reader, dtype=dtype, placement=placement)
+            loaded = load_gguf(reader, dtype=dtype, placement=placement, int4=quantize == "int4")
             tokenizer = load_tokenizer(loaded, reader)
         else:
             loaded = load_model(path, dtype=dtype, placement=placement)
             tokenizer = load_tokenizer(loaded)
-        if quantize != "none" and quantization_of(loaded.params) == "none":
+        if quantize != "none":  # leaves already quantised (a GGUF file's 4-bit blocks) are kept
             before = weight_bytes(loaded.params)
-            loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, quantize))
+            # A GGUF file's tensors stored above 4 bits (Q5_0, Q6_K, Q8_0) keep most of that as int8.
+            mode = "int8" if kind == "gguf" else quantize
+            loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, mode))
             log.info("%s weights: %.1f MiB -> %.1f MiB", quantize, before / 2**20,
                      weight_bytes(loaded.params) / 2**20)  # fmt: skip
             if entry is not None:
@@ -296,11 +312,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         jax.default_backend(), options.attention_impl, single_device=mesh.size == 1
     )
     kernels = dataclasses.replace(kernels, int8_activations=options.int8_activations)
-    if not kernels.int8_activations and quantization_of(loaded.params) == "int8":
-        if kernels.matmul == "native":
-            loaded = dataclasses.replace(loaded, params=add_vnni_weights(loaded.params))
-        elif kernels.matmul == "xla":
-            loaded = dataclasses.replace(loaded, params=add_bf16_copies(loaded.params))
+    loaded = dataclasses.replace(loaded, params=add_kernel_forms(loaded.params, kernels))
     engine = JaxEngine(
         loaded.params,
         loaded.config,

@@ -5,11 +5,12 @@ Mesh axes:
   tensor - Megatron-style model parallelism: attention heads and MLP columns.
 
 Weights are [out, in] (see params.py): column-parallel layers split `out`, row-parallel layers split `in`.
-An int8 weight {"q": [out, in], "scale": [out]} follows its layer's rule (the scale takes the rule's
-leading entries). A weight whose dims do not divide over the mesh is replicated; a split is by shape
-only, so q/k/v rows may split inside a head (SmolLM2's 9 heads over tensor=4): XLA then inserts the
-gathers, the results stay exact and each device still holds 1/tensor of the weight. KV-cache heads that
-do not divide over `tensor` (Gemma 3's single KV head) are replicated.
+A quantised weight (weight_formats.py) follows its layer's rule in each of its arrays: int8 q [out, in]
+and int4 packed [out, in/2] take the rule, scales [out] or [out, groups] its leading entries. A weight
+whose dims do not divide over the mesh is replicated; a split is by shape only, so q/k/v rows may split
+inside a head (SmolLM2's 9 heads over tensor=4): XLA then inserts the gathers, the results stay exact
+and each device still holds 1/tensor of the weight. KV-cache heads that do not divide over `tensor`
+(Gemma 3's single KV head) are replicated.
 
 Multi-device work changes the rules below, never the model code. The same rules serve one host and
 several (a mesh over the devices of every process, see multihost.py).
@@ -105,7 +106,8 @@ def param_placement(mesh: Mesh):
 
 
 def _key_path(path) -> tuple[str | int, ...]:
-    return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+    """A tree_util key path as names and indices (dict keys, list indices, dataclass field names)."""
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path)
 
 
 def param_shardings(params, mesh: Mesh):

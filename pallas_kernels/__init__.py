@@ -7,6 +7,7 @@ Kernels lower natively on TPU (Mosaic) and GPU (Triton) and run on CPU with `int
 from pallas_kernels._common import default_interpret
 from pallas_kernels.decode_attention import decode_attention, decode_attention_reference
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
 from pallas_kernels.int8_matmul import (
     dequantize_int8,
     dequantize_kv_int8,
@@ -30,6 +31,8 @@ __all__ = [
     "dequantize_kv_int8",
     "flash_attention",
     "flash_attention_reference",
+    "int4_matmul",
+    "int4_matmul_reference",
     "int8_matmul",
     "int8_matmul_reference",
     "paged_decode_attention",

@@ -1,7 +1,7 @@
 """Prefill and decode speed of the embedded models, next to transformers measured in the same run.
 
     .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m]
-        [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|none]
+        [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|int4|none]
         [--kv-cache-dtype float32|bfloat16|int8] [--page-size N] [--repeats 3]
         [--llama-bench /path/to/llama-bench]
 
@@ -32,8 +32,10 @@ from jaxinfer.engine import DecodeBatch, PrefillChunk
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS
 from jaxinfer.kv_cache import contiguous_page_table
+from jaxinfer.quantization import QUANTIZATION_MODES
 from jaxinfer.request import SamplingParams
 from jaxinfer.runtime import RuntimeOptions, build_runtime
+from jaxinfer.weight_formats import Int8Weight
 
 
 def measure_bandwidth_gbs(megabytes: int = 512) -> float:
@@ -50,16 +52,17 @@ def measure_bandwidth_gbs(megabytes: int = 512) -> float:
 
 
 def step_weight_bytes(params, rows: int) -> int:
-    """Weight bytes one decode step must read once: the int8 weights with their scales up to
-    ROWS_AS_VECTORS rows; past that the bf16 copies where they exist (quantization.add_bf16_copies;
-    the VNNI kernel reads its packed int8 weights, as many bytes as the int8 ones)."""
+    """Weight bytes one decode step must read once: int8 weights with their scales up to
+    ROWS_AS_VECTORS rows, past that the bf16 copies where they exist (quantization.add_bf16_copies;
+    the VNNI kernel reads its packed int8 weights, as many bytes as the int8 ones); int4 weights their
+    packed nibbles, scales and minimums."""
 
     def leaf_bytes(w) -> int:
-        if not isinstance(w, dict):
-            return w.nbytes
-        if rows > ROWS_AS_VECTORS and "bf16" in w:
-            return w["bf16"].nbytes
-        return w["q"].nbytes + w["scale"].nbytes
+        if isinstance(w, Int8Weight):
+            if rows > ROWS_AS_VECTORS and w.bf16 is not None:
+                return w.bf16.nbytes
+            return w.q.nbytes + w.scale.nbytes
+        return sum(a.nbytes for a in jax.tree.leaves(w))
 
     top = [w for k, w in params.items() if k != "layers"]
     return sum(leaf_bytes(w) for w in top + [w for layer in params["layers"] for w in layer.values()])
@@ -205,7 +208,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="context of each decode stream")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="decode runs per batch size (median)")
-    parser.add_argument("--quantize", default="int8", choices=["none", "int8"])
+    parser.add_argument("--quantize", default="int8", choices=QUANTIZATION_MODES)
     parser.add_argument("--kv-cache-dtype", default=None, help="default: the CLI's (bfloat16 on CPU)")
     parser.add_argument("--page-size", type=int, default=None, help="default: the CLI's for this backend")
     parser.add_argument("--no-transformers", action="store_true")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import os
 import shutil
 
 import jax
@@ -15,22 +17,38 @@ from jaxinfer.cpu_kernels import (
     decode_attention_cpu_reference,
     vnni_available,
 )
-from jaxinfer.cpu_kernels.native_build import cpu_flags
+from jaxinfer.cpu_kernels.native_build import ISAS, best_isa, cpu_supports, register_isa_kernels
 
 # The engine tests at the end import the engine inside themselves: the kernel's tests do not depend on it.
 
 needs_kernel = pytest.mark.skipif(
-    not decode_attention_available(), reason="needs an x86-64 CPU with AVX-512F and g++"
+    not decode_attention_available(), reason="needs an x86-64 CPU with AVX2 and g++"
 )
+# Every variant this CPU runs (AVX-512 and AVX2 on an AVX-512 machine), each tested in this process.
+CPU_ISAS = [isa.name for isa in ISAS if cpu_supports(isa)]
+_decode_attention = importlib.import_module("jaxinfer.cpu_kernels.decode_attention")
+_int8_matmul = importlib.import_module("jaxinfer.cpu_kernels.int8_matmul_vnni")
 
 
-def test_kernels_build_wherever_the_cpu_and_a_compiler_allow():
-    # Guards the skips in this file and in test_int8_matmul_vnni.py: a kernel that stops compiling must
-    # fail here, not turn its tests into skips.
-    if shutil.which("g++") is None:
-        pytest.skip("no g++ on this machine")
-    assert decode_attention_available() == ("avx512f" in cpu_flags())
-    assert vnni_available() == ({"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags())
+@pytest.mark.parametrize("isa", CPU_ISAS)  # none (an empty set, skipped) only on a CPU with neither ISA
+@pytest.mark.parametrize(
+    "kernel,symbols",
+    [
+        (_decode_attention, tuple(_decode_attention.SYMBOLS.values())),
+        (_int8_matmul, (_int8_matmul.SYMBOL,)),
+    ],
+    ids=["decode_attention", "int8_matmul"],
+)
+def test_kernels_build_wherever_the_cpu_allows(kernel, symbols, isa):
+    # Guards the skips in this file and in test_int8_matmul_vnni.py: a kernel variant that stops
+    # compiling must fail here, not turn its tests into skips.
+    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
+        pytest.skip("native kernels switched off (JAXINFER_NATIVE_KERNELS=0)")
+    assert shutil.which(os.environ.get("CXX", "g++")), "no C++ compiler (g++ or $CXX) on an x86-64 CPU"
+    variant = next(variant for variant in ISAS if variant.name == isa)
+    assert register_isa_kernels(kernel._SOURCE, variant, symbols), f"the {isa} variant did not build"
+    assert kernel.chosen_isa() == best_isa(kernel.KERNEL_ISAS)
+    assert decode_attention_available() and vnni_available()
 
 
 def _bf16_bits(x) -> jax.Array:
@@ -52,6 +70,7 @@ def _rel(got, want) -> float:
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
 # (rows, kv heads, query heads, page size, pages per row, head dim, window, softcap): GQA groups of 3, 4,
 # 9 (more than one pass of 8 heads), 3 and 7, 8; pages of 1, 16, 24, 64 and 128 positions; head dims
@@ -67,7 +86,9 @@ def _rel(got, want) -> float:
         (2, 1, 8, 128, 2, 64, None, None),
     ],
 )
-def test_kernel_matches_its_reference(cache_dtype, rows, kv, heads, page_size, width, dim, window, softcap):
+def test_kernel_matches_its_reference(
+    cache_dtype, rows, kv, heads, page_size, width, dim, window, softcap, isa
+):
     rng = np.random.default_rng(page_size * 1000 + dim)
     pages = rows * width + 3
     k, v = (_storage(rng.normal(size=(2, kv, pages, page_size, dim)), cache_dtype) for _ in range(2))
@@ -79,7 +100,7 @@ def test_kernel_matches_its_reference(cache_dtype, rows, kv, heads, page_size, w
     lengths = jnp.asarray(rng.integers(2, positions, size=rows), jnp.int32).at[0].set(positions)
     lengths = lengths.at[1].set(0) if rows > 2 else lengths.at[1].set(1)
     kwargs = dict(layer=1, scale=dim**-0.5, sliding_window=window, softcap=softcap)
-    got = jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs))(q, k, v, table, lengths)
+    got = jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs, isa=isa))(q, k, v, table, lengths)
     want = decode_attention_cpu_reference(q, k, v, table, lengths, **kwargs)
     assert got.shape == (rows, heads, dim) and got.dtype == jnp.float32
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
@@ -88,9 +109,10 @@ def test_kernel_matches_its_reference(cache_dtype, rows, kv, heads, page_size, w
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
 @pytest.mark.parametrize("group", range(1, 10))
-def test_every_gqa_group_size(cache_dtype, group):
+def test_every_gqa_group_size(cache_dtype, group, isa):
     rng = np.random.default_rng(group)
     rows, kv, dim, page_size, width = 3, 2, 64, 16, 3
     k, v = (_storage(rng.normal(size=(1, kv, 8, page_size, dim)), cache_dtype) for _ in range(2))
@@ -98,8 +120,27 @@ def test_every_gqa_group_size(cache_dtype, group):
     table = jnp.asarray(rng.integers(0, 8, size=(rows, width)), jnp.int32)
     lengths = jnp.asarray([48, 33, 5], jnp.int32)
     kwargs = dict(layer=0, scale=dim**-0.5, sliding_window=None, softcap=None)
-    got = decode_attention_cpu(q, k, v, table, lengths, **kwargs)
+    got = decode_attention_cpu(q, k, v, table, lengths, **kwargs, isa=isa)
     want = decode_attention_cpu_reference(q, k, v, table, lengths, **kwargs)
+    assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_extreme_scores(softcap, isa):
+    # Scores in the thousands: exp's clamps at both ends (softmax weights below e^-87, and with a softcap
+    # exp(2 s / softcap) far past float range, where tanh must come out exactly +-1).
+    rng = np.random.default_rng(7)
+    rows, kv, heads, dim, page_size = 3, 1, 4, 32, 16
+    k, v = (jnp.asarray(rng.normal(size=(1, kv, 6, page_size, dim)), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rng.normal(size=(rows, heads, dim)) * 300.0, jnp.float32)
+    table = jnp.asarray(rng.permutation(6)[: 2 * rows].reshape(rows, 2), jnp.int32)
+    lengths = jnp.asarray([32, 17, 3], jnp.int32)
+    kwargs = dict(layer=0, scale=dim**-0.5, sliding_window=None, softcap=softcap)
+    got = decode_attention_cpu(q, k, v, table, lengths, **kwargs, isa=isa)
+    want = decode_attention_cpu_reference(q, k, v, table, lengths, **kwargs)
+    assert np.isfinite(np.asarray(got)).all()
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) < 1e-5
 
 
@@ -146,10 +187,11 @@ def _dense_attention(q, k, v, lengths, scale, window, softcap) -> np.ndarray:
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
 @pytest.mark.parametrize("page_size", [1, 16, 24, 64])
 @pytest.mark.parametrize("window,softcap", [(None, None), (19, 25.0)])
-def test_kernel_on_scattered_pages_matches_dense_attention(cache_dtype, page_size, window, softcap):
+def test_kernel_on_scattered_pages_matches_dense_attention(cache_dtype, page_size, window, softcap, isa):
     rng = np.random.default_rng(page_size)
     rows, kv, heads, dim, layer = 7, 2, 6, 64, 1
     # Lengths: empty, one key, a page exactly, a page and one, odd, long, not multiples of the page size.
@@ -164,7 +206,7 @@ def test_kernel_on_scattered_pages_matches_dense_attention(cache_dtype, page_siz
     scale = dim**-0.5
     kwargs = dict(layer=layer, scale=scale, sliding_window=window, softcap=softcap)
     args = (jnp.asarray(q, jnp.float32), k_pages, v_pages, table, jnp.asarray(lengths, jnp.int32))
-    got = np.asarray(jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs))(*args))
+    got = np.asarray(jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs, isa=isa))(*args))
     want = _dense_attention(
         np.asarray(args[0], np.float64), dense_k, dense_v, lengths, scale, window, softcap
     )
@@ -189,8 +231,11 @@ def test_bad_shapes_are_refused_clearly():
         decode_attention_cpu(q[..., :24], pages[..., :24], pages[..., :24], table, lengths, **kwargs)
     with pytest.raises(ValueError, match="one shape"):
         decode_attention_cpu(q, pages, pages[:, :, :4], table, lengths, **kwargs)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        decode_attention_cpu(q, pages, pages, table, lengths, **kwargs, isa="sse2")
     # The FFI handler checks too, for callers that bypass the wrapper.
-    call = jax.ffi.ffi_call("jaxinfer_decode_attention_f32", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    target = _decode_attention.SYMBOLS["float32"] + _decode_attention.chosen_isa().suffix
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     with pytest.raises(Exception, match="page_table"):
         call(q, pages, pages, table[:2], lengths, layer=np.int64(0), window=np.int64(0),
              scale=np.float32(1.0), softcap=np.float32(0.0))  # fmt: skip

@@ -18,6 +18,7 @@ from jaxinfer.cpu_kernels import (
     supports,
     vnni_available,
 )
+from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
 from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.kernel_dispatch import linear
 from jaxinfer.params import fuse_projections, random_params
@@ -25,7 +26,9 @@ from jaxinfer.quantization import add_vnni_weights, quantize_params
 from pallas_kernels import dequantize_int8, quantize_int8
 from tests.test_engine import CONFIGS
 
-needs_vnni = pytest.mark.skipif(not vnni_available(), reason="needs an x86-64 CPU with AVX-512 VNNI and g++")
+needs_vnni = pytest.mark.skipif(not vnni_available(), reason="needs an x86-64 CPU with AVX2 and g++")
+# Every variant this CPU runs (AVX-512 VNNI and AVX2 on an AVX-512 machine), each tested in this process.
+CPU_ISAS = [isa.name for isa in ISAS if cpu_supports(isa)]
 
 
 def _rel(a, b) -> float:
@@ -57,14 +60,15 @@ def test_supported_shapes():
 
 
 @needs_vnni
+@pytest.mark.parametrize("isa", CPU_ISAS)
 # Odd row counts (row groups of 4 and every remainder), odd numbers of 16-output blocks (the single-block
 # tail), several activation blocks, and an output wide enough to be split over the thread pool.
 @pytest.mark.parametrize(
     "rows,out_features,in_features", [(1, 48, 96), (3, 80, 160), (6, 16, 32), (17, 4112, 224)]
 )
-def test_kernel_matches_its_reference_and_the_float_product(rows, out_features, in_features):
+def test_kernel_matches_its_reference_and_the_float_product(rows, out_features, in_features, isa):
     x, w, q, scale = _problem(rows, out_features, in_features)
-    got = jax.jit(int8_matmul_vnni)(x, pack_weight(q), scale)
+    got = jax.jit(lambda *a: int8_matmul_vnni(*a, isa=isa))(x, pack_weight(q), scale)
     assert got.shape == (rows, out_features) and got.dtype == jnp.float32
     # Same integer products and the same scales: only the float summation order may differ.
     assert _rel(got, int8_matmul_vnni_reference(x, q, scale)) < 1e-6
@@ -73,7 +77,30 @@ def test_kernel_matches_its_reference_and_the_float_product(rows, out_features, 
 
 
 @needs_vnni
-def test_activation_blocks_confine_an_outlier_to_its_block():
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_extreme_values_are_exact(isa):
+    # Every weight and activation at +-127: the largest pair sums (2 * 127 * 127) of AVX2's 16-bit
+    # vpmaddubsw, with every sign combination, must come out exact (no saturation).
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.choice([-127, 127], size=(48, 128)), jnp.int8)
+    x = jnp.asarray(rng.choice([-1.0, 1.0], size=(7, 128)), jnp.float32)
+    x = x.at[0].set(1.0).at[1].set(-1.0)  # rows of one sign: all products of one sign
+    scale = jnp.ones((48,), jnp.float32)
+    got = int8_matmul_vnni(x, pack_weight(q), scale, isa=isa)
+    want = np.asarray(x, np.float64) @ np.asarray(q, np.float64).T  # x_q = 127 x, x_scale = 1 / 127
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-4)
+
+
+@needs_vnni
+def test_an_unknown_isa_is_refused():
+    x, _, q, scale = _problem(2, 16, 32)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        int8_matmul_vnni(x, pack_weight(q), scale, isa="sse2")
+
+
+@needs_vnni
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_activation_blocks_confine_an_outlier_to_its_block(isa):
     # One outlier channel (x200) sets the scale of its row: per-row scales round the other 511 channels to
     # a few levels, blocks of 32 only the 31 sharing its block (error ~sqrt(31/511) ~ 0.25 as large).
     x, _, q, scale = _problem(5, 64, 512, seed=1)
@@ -87,7 +114,7 @@ def test_activation_blocks_confine_an_outlier_to_its_block():
 
     x_q, x_scale, _ = quantize_activations(x, 1)  # one scale per row
     per_row = (x_q * x_scale).astype(jnp.float32) @ dequantised.T
-    got = jax.jit(int8_matmul_vnni)(x, pack_weight(q), scale)
+    got = jax.jit(lambda *a: int8_matmul_vnni(*a, isa=isa))(x, pack_weight(q), scale)
     assert error(got) < 0.4 * error(per_row), (error(got), error(per_row))
 
 
@@ -96,20 +123,20 @@ def test_activation_blocks_confine_an_outlier_to_its_block():
 def test_linear_routes_several_rows_to_the_kernel(rows):
     x, w, _, _ = _problem(rows, 96, 64)
     weight = add_vnni_weights(quantize_params({"layers": [], "q_proj": jnp.array(w)}))["q_proj"]
-    assert weight["vnni"].dtype == jnp.uint8 and "bf16" not in weight
+    assert weight.vnni.dtype == jnp.uint8 and weight.bf16 is None
     kernels = KernelConfig(matmul="native")
     got = jax.jit(lambda x, w: linear(x, w, kernels))(x, weight)
-    weight_only = x @ dequantize_int8(weight["q"], weight["scale"]).T
+    weight_only = x @ weight.dequantize().T
     if rows == 1:  # a matrix-vector product of the int8 weight: exact up to float rounding
         assert _rel(got, weight_only) < 1e-5
     else:
-        assert _rel(got, int8_matmul_vnni_reference(x, weight["q"], weight["scale"])) < 1e-6
+        assert _rel(got, int8_matmul_vnni_reference(x, weight.q, weight.scale)) < 1e-6
 
 
 def test_weights_the_kernel_cannot_take_get_a_bf16_copy():
     w = jnp.asarray(np.random.default_rng(0).normal(size=(40, 64)), jnp.float32)  # 40 outputs: not 16k
     weight = add_vnni_weights(quantize_params({"layers": [], "q_proj": w}))["q_proj"]
-    assert "vnni" not in weight and weight["bf16"].dtype == jnp.bfloat16
+    assert weight.vnni is None and weight.bf16.dtype == jnp.bfloat16
 
 
 @needs_vnni
@@ -120,7 +147,7 @@ def test_decode_through_the_kernel_matches_recompute_at_any_batch(arch):
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, size=20)]
     reference = teacher_forced_logits(float_params, config, tokens, KernelConfig())
     params = add_vnni_weights(quantize_params(fuse_projections(random_params(config, seed=3))))
-    assert "vnni" in params["layers"][0]["qkv_proj"] and "vnni" in params["embed"]
+    assert params["layers"][0]["qkv_proj"].vnni is not None and params["embed"].vnni is not None
     # Attention through the native kernel too: XLA's own attention may reduce in another order at
     # another row count.
     kernels = KernelConfig(matmul="native", attention="native")

@@ -19,7 +19,6 @@ from jaxinfer.quantization import (
     quantize_params,
     weight_bytes,
 )
-from pallas_kernels import dequantize_int8
 from tests.test_engine import LLAMA
 
 FORMS = {
@@ -37,7 +36,7 @@ def test_int8_weights_take_a_quarter_of_float32():
     before = weight_bytes(params)
     quantized = quantize_params(random_params(LLAMA, seed=0))
     assert quantization_of(quantized) == "int8" and quantization_of(params) == "none"
-    assert quantized["layers"][0]["q_proj"]["q"].dtype == jnp.int8
+    assert quantized["layers"][0]["q_proj"].q.dtype == jnp.int8
     assert quantized["layers"][0]["attn_norm"].dtype == jnp.float32  # norms stay float
     ratio = weight_bytes(quantized) / before
     assert 0.25 <= ratio < 0.3, ratio
@@ -53,7 +52,7 @@ def test_every_int8_matmul_form_matches_the_dequantised_weight(form, rows):
     x = jnp.asarray(rng.normal(size=(rows, 64)), jnp.float32)
     params = quantize_params({"layers": [], "q_proj": jnp.array(w)})  # quantize consumes its input
     q = WEIGHT_FORMS.get(form, lambda p: p)(params)["q_proj"]
-    reference = x @ dequantize_int8(q["q"], q["scale"]).T
+    reference = x @ q.dequantize().T
     got = linear(x, q, FORMS[form])
     rel = float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference))
     # Weight-only forms are exact up to float rounding; int8 activations and bf16 operands add their own
@@ -68,7 +67,7 @@ def test_quantized_embedding_rows_are_dequantised_rows():
     table = jnp.asarray(np.random.default_rng(0).normal(size=(50, 16)), jnp.float32)
     q = quantize_params({"layers": [], "embed": jnp.array(table)})["embed"]
     tokens = jnp.array([[3, 49, 0]])
-    expected = dequantize_int8(q["q"], q["scale"])[tokens]
+    expected = q.dequantize()[tokens]
     np.testing.assert_allclose(np.asarray(embed(q, tokens, jnp.float32)), np.asarray(expected), rtol=1e-6)
 
 
@@ -119,9 +118,9 @@ def test_outlier_channels_keep_int8_activations_accurate():
     x[:, [7, 40]] *= 200.0  # two outlier channels, as in real LLM activations
     x = jnp.asarray(x, jnp.float32)
     q = quantize_params({"layers": [], "q_proj": jnp.array(w)})["q_proj"]
-    reference = x @ dequantize_int8(q["q"], q["scale"]).T
+    reference = x @ q.dequantize().T
     got = linear(x, q, KernelConfig(int8_activations=True))
     # Measured against what the 94 ordinary channels contribute: plain per-row scales (set by the
     # outliers) round those channels to 0 or +-1, an error of ~40% of it; the float outliers leave ~1%.
-    ordinary = x.at[:, jnp.array([7, 40])].set(0.0) @ dequantize_int8(q["q"], q["scale"]).T
+    ordinary = x.at[:, jnp.array([7, 40])].set(0.0) @ q.dequantize().T
     assert float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(ordinary)) < 3e-2

@@ -23,6 +23,7 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.model import forward
 from jaxinfer.params import random_params
+from jaxinfer.quantization import quantize_params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import (
     DATA,
@@ -36,6 +37,7 @@ from jaxinfer.sharding import (
     shard_params,
 )
 from jaxinfer.testing import IdTokenizer, paged_cache_config
+from jaxinfer.weight_formats import Int4Weight
 
 VOCAB = 128
 LLAMA = ModelConfig(
@@ -119,9 +121,12 @@ def _two_steps(params, cache, prompt, *, config):
 
 
 @functools.cache
-def _forward_logits(arch: str, mesh_name: str):
+def _forward_logits(arch: str, mesh_name: str, quantize: str = "none"):
     config, mesh = CONFIGS[arch], _mesh(mesh_name)
-    params = shard_params(_params(arch), mesh)
+    params = _params(arch)
+    if quantize != "none":  # quantize_params consumes its input
+        params = quantize_params(jax.tree.map(jnp.copy, params), quantize)
+    params = shard_params(params, mesh)
     cache = init_cache(config, CACHE, mesh)
     prompt = jnp.asarray(np.random.default_rng(5).integers(0, VOCAB, size=(1, 13)), jnp.int32)
     # As in the engine, the cache's layout is pinned: left free, propagation would follow k_proj's split.
@@ -141,6 +146,21 @@ def _forward_logits(arch: str, mesh_name: str):
 def test_forward_logits_match_one_device(arch, mesh_name):
     want_p, want_d = _forward_logits(arch, "1x1")
     got_p, got_d = _forward_logits(arch, mesh_name)
+    np.testing.assert_allclose(got_p, want_p, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(got_d[1], want_d[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_int4_weights_split_over_tensor_and_match_one_device(arch):
+    # Each Int4Weight array follows its layer's rule: packed values and per-group scales split alike.
+    mesh = _mesh("1x4")
+    sharded = shard_params(quantize_params(jax.tree.map(jnp.copy, _params(arch)), "int4"), mesh)
+    down = sharded["layers"][0]["down_proj"]  # row-parallel: the input axis (and its groups) split
+    assert isinstance(down, Int4Weight) and down.packed.sharding.spec == P(None, TENSOR)
+    assert down.scale.sharding.spec == P(None, TENSOR)
+    assert sharded["layers"][0]["q_proj"].packed.sharding.spec == P(TENSOR, None)
+    want_p, want_d = _forward_logits(arch, "1x1", "int4")
+    got_p, got_d = _forward_logits(arch, "1x4", "int4")
     np.testing.assert_allclose(got_p, want_p, atol=1e-4, rtol=0)
     np.testing.assert_allclose(got_d[1], want_d[1], atol=1e-4, rtol=0)
 
@@ -170,7 +190,7 @@ def _assert_declared_shardings(engine: JaxEngine) -> None:
     mesh = engine.mesh
     flat, _ = jax.tree_util.tree_flatten_with_path(engine.params)
     for path, leaf in flat:
-        key_path = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in path)
+        key_path = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path)
         assert leaf.sharding.mesh == mesh
         assert leaf.sharding.spec == param_spec(key_path, leaf.shape, mesh), key_path
     cache_spec = kv_cache_spec(engine.config.num_kv_heads, mesh)

@@ -1,18 +1,31 @@
-"""Builds the native CPU kernels now (they are otherwise built on first use) and says which this machine runs.
+"""Builds the native CPU kernels now (they are otherwise built on first use) and says which this machine runs:
+each kernel's variant is the fastest ISA this CPU supports ($JAXINFER_CPU_ISA=avx2 caps it at AVX2).
 
 .venv/bin/python -m jaxinfer.cpu_kernels
 """
 
-from jaxinfer.cpu_kernels import decode_attention_available, vnni_available
-from jaxinfer.cpu_kernels.native_build import cache_dir
+import importlib
+import os
+
+from jaxinfer.cpu_kernels.native_build import cache_dir, cpu_description
 
 
 def main() -> None:
-    for name, available in [
-        ("int8 matmul (AVX-512 VNNI)", vnni_available()),
-        ("decode attention (AVX-512F)", decode_attention_available()),
+    print(cpu_description())
+    for title, module, available in [
+        ("int8 matmul", "int8_matmul_vnni", "vnni_available"),
+        ("decode attention", "decode_attention", "decode_attention_available"),
     ]:
-        print(f"{name}: {'built' if available else 'not available on this machine (XLA serves instead)'}")
+        kernel = importlib.import_module(f"jaxinfer.cpu_kernels.{module}")
+        isa = kernel.chosen_isa()
+        if getattr(kernel, available)():
+            print(f"{title}: built, runs the {isa.name} variant")
+        elif os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
+            print(f"{title}: off (JAXINFER_NATIVE_KERNELS=0; XLA serves instead)")
+        elif isa is None:
+            print(f"{title}: not available, this CPU has neither AVX2 nor AVX-512 (XLA serves instead)")
+        else:
+            print(f"{title}: the {isa.name} variant did not build (XLA serves instead; see the log)")
     print(f"libraries in {cache_dir()}")
 
 

@@ -1,4 +1,5 @@
-// Decode attention straight out of the paged KV cache for XLA:CPU (AVX-512F), as an XLA FFI custom call.
+// Decode attention straight out of the paged KV cache for XLA:CPU (AVX-512 or AVX2), as an XLA FFI custom
+// call.
 //
 // q          f32 [R, H, D]        the new query of each of R rows
 // k, v       [L, KV, P, S, D]     the page pool of every layer: float32, or bfloat16 held as uint16 bits;
@@ -15,6 +16,9 @@
 //
 // Each (row, KV head) reads its keys and values once for all the query heads that share them, where XLA's
 // form (gather the pages, widen, small batched dots) copies every layer's pages out of the pool first.
+//
+// The code is written once over a float vector Vec of kLanes lanes: 16 (zmm) where the build has AVX-512F,
+// else 8 (ymm, AVX2 + FMA); the register-sized constants follow the register file (32 zmm or 16 ymm).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -22,6 +26,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -29,19 +34,37 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kLanes = 16;
-constexpr int kHeadGroup = 8;      // query heads per pass over the keys (accumulators in registers)
-constexpr int kValueRegisters = 24;  // most accumulators of the value pass: heads x 16-wide chunks of d
+constexpr int kDimMultiple = 16;  // head_dim must be a multiple of this (both vector widths divide it)
+constexpr int kHeadGroup = 8;     // query heads per pass over the keys (accumulators in registers)
 
-inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 Load16(const uint16_t* p) {  // bfloat16 bits -> float32: the high half of each word
+#if defined(__AVX512F__)
+
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kValueRegisters = 24;  // most accumulators of the value pass: heads x kLanes-wide chunks of d
+constexpr int ValueRegisters(int heads, int chunks) { return heads * chunks; }
+constexpr int ScoreKeys(int heads) { return 1; }  // keys per step of the score pass
+constexpr bool kStreamValues = false;             // see the AVX2 definition
+
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Set1(float x) { return _mm512_set1_ps(x); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec Load(const uint16_t* p) {  // bfloat16 bits -> float32: the high half of each word
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
+inline Vec LoadAligned(const float* p) { return _mm512_load_ps(p); }
+inline void Store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
+inline void StoreAligned(float* p, Vec x) { _mm512_store_ps(p, x); }
+inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec Fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 
 // exp(x) within ~2 ulp: 2^n * p(r), x = n ln2 + r, |r| <= ln2 / 2, p the degree-6 Taylor polynomial
 // (its remainder r^7 / 7! < 1.2e-7 relative). Below -87 the result is ~1e-38, not 0; above 88, inf.
-inline __m512 Exp(__m512 x) {
+inline Vec Exp(Vec x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -52,17 +75,10 @@ inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// softcap * tanh(s / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): -1 and 1 exactly at the far ends.
-inline __m512 Softcap(__m512 s, float softcap) {
-  const __m512 e = Exp(_mm512_mul_ps(s, _mm512_set1_ps(2.0f / softcap)));
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 tanh = _mm512_sub_ps(one, _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, one)));
-  return _mm512_mul_ps(tanh, _mm512_set1_ps(softcap));
-}
-
 // The sums of 16 vectors in one: 15 shuffle-add steps where 16 horizontal reductions take ~60. Lane
-// 4k + m of the result is the sum of x[4m + k] (a 4 x 4 transpose of the order; callers permute x).
-inline __m512 TransposeSum16(__m512 x[16]) {
+// 4k + m of the result is the sum of x[4m + k] (a 4 x 4 transpose of the order; callers permute x by
+// TransposeSumSource).
+inline Vec TransposeSum(Vec x[16]) {
   // 8 vectors, each 256-bit half holding 8 partial sums of one of x[2i], x[2i + 1].
   for (int i = 0; i < 8; ++i) {
     const __m512 a = x[2 * i], b = x[2 * i + 1];
@@ -80,6 +96,109 @@ inline __m512 TransposeSum16(__m512 x[16]) {
   }
   // Block k: the sums of x[k], x[4 + k], x[8 + k], x[12 + k].
   return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+}
+constexpr int TransposeSumSource(int i) { return i % 4 * 4 + i / 4; }  // the key whose sums go in x[i]
+
+// The first `count` lanes (all where count >= kLanes).
+using Mask = __mmask16;
+inline Mask FirstLanes(int64_t count) {
+  return count >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << count) - 1);
+}
+inline Vec MaxWhere(Mask valid, Vec best, Vec x) { return _mm512_mask_max_ps(best, valid, best, x); }
+inline Vec ZeroUnless(Mask valid, Vec x) { return _mm512_maskz_mov_ps(valid, x); }
+inline float ReduceMax(Vec x) { return _mm512_reduce_max_ps(x); }
+inline float ReduceAdd(Vec x) { return _mm512_reduce_add_ps(x); }
+
+#else  // AVX2 + FMA
+
+using Vec = __m256;
+constexpr int kLanes = 8;
+// Registers of the value pass: heads x chunks accumulators, the chunks of one value and the broadcast
+// weight, within the 16 ymm registers.
+constexpr int kValueRegisters = 16;
+constexpr int ValueRegisters(int heads, int chunks) { return heads * chunks + std::min(heads, chunks) + 1; }
+// With fewer heads than chunks, hold the broadcast weights and stream the value chunks (so 3 heads x 4
+// chunks fit: one pass over the keys where holding 4 chunks would take two).
+constexpr bool kStreamValues = true;
+// Keys per step of the score pass: K x heads accumulators, K key chunks and one q chunk in the 16 ymm
+// registers, so each q chunk is loaded once for K keys (the pass is otherwise bound by its loads).
+constexpr int ScoreKeys(int heads) {
+  for (int k = 4; k > 1; --k)
+    if (k * heads + k + 1 <= 16) return k;
+  return 1;
+}
+
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Set1(float x) { return _mm256_set1_ps(x); }
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec Load(const uint16_t* p) {  // bfloat16 bits -> float32: the high half of each word
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline Vec LoadAligned(const float* p) { return _mm256_load_ps(p); }
+inline void Store(float* p, Vec x) { _mm256_storeu_ps(p, x); }
+inline void StoreAligned(float* p, Vec x) { _mm256_store_ps(p, x); }
+inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec Fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+
+// exp(x) as the AVX-512 path computes it (same reduction and polynomial). AVX2 has no vscalefps: 2^n is
+// built in the exponent field, in two factors 2^(n/2) 2^(n - n/2) so that n = 128 (x up to the clamp at
+// 89) still gives p * 2^128, finite below ~88.72 and inf above, where one factor 2^128 would not exist.
+inline Vec Exp(Vec x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(89.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  // ln2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 720);
+  for (const float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256i ni = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(ni, 1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 first = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+  const __m256 second = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, first), second);
+}
+
+// The sums of 8 vectors in one, lane i the sum of x[i]: 6 horizontal adds and a cross-half add.
+inline Vec TransposeSum(Vec x[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+  // a: the sums of x[0..3] over lanes 0-3 | the same over lanes 4-7; b likewise for x[4..7].
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+constexpr int TransposeSumSource(int i) { return i; }
+
+// The first `count` lanes (all where count >= kLanes), as all-ones lanes.
+using Mask = __m256;
+inline Mask FirstLanes(int64_t count) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t c = static_cast<int32_t>(std::min<int64_t>(count, kLanes));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), lane));
+}
+inline Vec MaxWhere(Mask valid, Vec best, Vec x) { return _mm256_max_ps(best, _mm256_blendv_ps(best, x, valid)); }
+inline Vec ZeroUnless(Mask valid, Vec x) { return _mm256_and_ps(valid, x); }
+inline float ReduceMax(Vec x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float ReduceAdd(Vec x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+#endif
+
+// softcap * tanh(s / softcap), tanh(y) = 1 - 2 / (exp(2y) + 1): -1 and 1 exactly at the far ends.
+inline Vec Softcap(Vec s, float softcap) {
+  const Vec e = Exp(Mul(s, Set1(2.0f / softcap)));
+  const Vec one = Set1(1.0f);
+  const Vec tanh = Sub(one, Div(Set1(2.0f), Add(e, one)));
+  return Mul(tanh, Set1(softcap));
 }
 
 struct Problem {
@@ -132,67 +251,103 @@ template <typename T, int G>
 void Scores(const Problem& p, const int32_t* table, const T* keys, const float* q, int64_t start, int64_t end,
             int64_t stride, float* scores) {
   const int64_t d = p.dim;
-  const __m512 scale = _mm512_set1_ps(p.scale);
-  // Blocks of 16 keys (which may straddle pages): row sums deferred to one transpose-sum per head.
+  const Vec scale = Set1(p.scale);
+  // Blocks of kLanes keys (which may straddle pages): row sums deferred to one transpose-sum per head.
   alignas(64) float partial[G][kLanes][kLanes];
   int pending = 0;
   int64_t base = 0;  // index of the first pending key
   auto flush = [&]() {
     for (int g = 0; g < G; ++g) {
-      __m512 x[kLanes];
-      for (int i = 0; i < kLanes; ++i) {  // x[4m + k] holds key 4k + m (see TransposeSum16)
-        const int key = i % 4 * 4 + i / 4;
-        x[i] = key < pending ? _mm512_load_ps(partial[g][key]) : _mm512_setzero_ps();
+      Vec x[kLanes];
+      for (int i = 0; i < kLanes; ++i) {
+        const int key = TransposeSumSource(i);
+        x[i] = key < pending ? LoadAligned(partial[g][key]) : Zero();
       }
-      _mm512_storeu_ps(scores + g * stride + base, _mm512_mul_ps(TransposeSum16(x), scale));
+      Store(scores + g * stride + base, Mul(TransposeSum(x), scale));
     }
   };
+  constexpr int kKeys = ScoreKeys(G);
   ForEachRun(p, table, start, end, [&](const Run& run) {
     const T* key = keys + run.at;
     for (int64_t i = 0; i < run.count; ++i, key += d) {
+      if constexpr (kKeys > 1) {  // kKeys keys at once where they fit the run and the block
+        if (i + kKeys <= run.count && pending + kKeys <= kLanes) {
+          for (int k = 0; k < kKeys; ++k) PrefetchRow(keys, run, i + k, d);
+          Vec acc[kKeys][G];
+          for (int k = 0; k < kKeys; ++k)
+            for (int g = 0; g < G; ++g) acc[k][g] = Zero();
+          for (int64_t c = 0; c < d; c += kLanes) {
+            Vec kv[kKeys];
+            for (int k = 0; k < kKeys; ++k) kv[k] = Load(key + k * d + c);
+            for (int g = 0; g < G; ++g) {
+              const Vec qv = Load(q + g * d + c);
+              for (int k = 0; k < kKeys; ++k) acc[k][g] = Fmadd(qv, kv[k], acc[k][g]);
+            }
+          }
+          if (pending == 0) base = run.index + i;
+          for (int k = 0; k < kKeys; ++k)
+            for (int g = 0; g < G; ++g) StoreAligned(partial[g][pending + k], acc[k][g]);
+          if ((pending += kKeys) == kLanes) {
+            flush();
+            pending = 0;
+          }
+          i += kKeys - 1;
+          key += (kKeys - 1) * d;
+          continue;
+        }
+      }
       PrefetchRow(keys, run, i, d);
-      __m512 acc[G];
-      for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      Vec acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = Zero();
       for (int64_t c = 0; c < d; c += kLanes) {
-        const __m512 kv = Load16(key + c);
-        for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * d + c), kv, acc[g]);
+        const Vec kv = Load(key + c);
+        for (int g = 0; g < G; ++g) acc[g] = Fmadd(Load(q + g * d + c), kv, acc[g]);
       }
       if (pending == 0) base = run.index + i;
-      for (int g = 0; g < G; ++g) _mm512_store_ps(partial[g][pending], acc[g]);
+      for (int g = 0; g < G; ++g) StoreAligned(partial[g][pending], acc[g]);
       if (++pending == kLanes) {
         flush();
         pending = 0;
       }
     }
   });
-  if (pending > 0) flush();  // the padding past n (stride is a multiple of 16) takes the zero rows
+  if (pending > 0) flush();  // the padding past n (stride is a multiple of kLanes) takes the zero rows
 }
 
-// out[g] = sum_j weights[g * stride + j] * value_j * inverse_sum[g] for C 16-wide chunks of d at a time.
+// out[g] = sum_j weights[g * stride + j] * value_j * inverse_sum[g] for C kLanes-wide chunks of d at a time.
 template <typename T, int G, int C>
 void Values(const Problem& p, const int32_t* table, const T* values, const float* weights,
             const float* inverse_sum, int64_t start, int64_t end, int64_t stride, float* out) {
   const int64_t d = p.dim;
   for (int64_t c0 = 0; c0 < d; c0 += C * kLanes) {
-    __m512 acc[G][C];
+    Vec acc[G][C];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc[g][c] = Zero();
     ForEachRun(p, table, start, end, [&](const Run& run) {
       const T* value = values + run.at + c0;
       const float* w = weights + run.index;
       for (int64_t i = 0; i < run.count; ++i, value += d) {
         if (c0 == 0) PrefetchRow(values, run, i, d);
-        __m512 vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = Load16(value + c * kLanes);
-        for (int g = 0; g < G; ++g) {
-          const __m512 wg = _mm512_set1_ps(w[g * stride + i]);
-          for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(wg, vv[c], acc[g][c]);
+        if constexpr (kStreamValues && G < C) {
+          Vec wg[G];
+          for (int g = 0; g < G; ++g) wg[g] = Set1(w[g * stride + i]);
+          for (int c = 0; c < C; ++c) {
+            const Vec vv = Load(value + c * kLanes);
+            for (int g = 0; g < G; ++g) acc[g][c] = Fmadd(wg[g], vv, acc[g][c]);
+          }
+        } else {
+          Vec vv[C];
+          for (int c = 0; c < C; ++c) vv[c] = Load(value + c * kLanes);
+          for (int g = 0; g < G; ++g) {
+            const Vec wg = Set1(w[g * stride + i]);
+            for (int c = 0; c < C; ++c) acc[g][c] = Fmadd(wg, vv[c], acc[g][c]);
+          }
         }
       }
     });
     for (int g = 0; g < G; ++g)
       for (int c = 0; c < C; ++c)
-        _mm512_storeu_ps(out + g * d + c0 + c * kLanes, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inverse_sum[g])));
+        Store(out + g * d + c0 + c * kLanes, Mul(acc[g][c], Set1(inverse_sum[g])));
   }
 }
 
@@ -207,30 +362,30 @@ void HeadGroup(const Problem& p, const int32_t* table, const T* keys, const T* v
   float inverse_sum[G];
   for (int g = 0; g < G; ++g) {
     float* s = scores.data() + g * stride;
-    __m512 best = _mm512_set1_ps(-3.0e38f);
+    Vec best = Set1(-3.0e38f);
     for (int64_t j = 0; j < stride; j += kLanes) {
-      const __mmask16 valid = j + kLanes <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      __m512 x = _mm512_loadu_ps(s + j);
+      Vec x = Load(s + j);
       if (p.softcap > 0) x = Softcap(x, p.softcap);
-      _mm512_storeu_ps(s + j, x);
-      best = _mm512_mask_max_ps(best, valid, best, x);
+      Store(s + j, x);
+      best = MaxWhere(FirstLanes(n - j), best, x);
     }
-    const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best));
-    __m512 total = _mm512_setzero_ps();
+    const Vec top = Set1(ReduceMax(best));
+    Vec total = Zero();
     for (int64_t j = 0; j < stride; j += kLanes) {
-      const __mmask16 valid = j + kLanes <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
-      const __m512 e = _mm512_maskz_mov_ps(valid, Exp(_mm512_sub_ps(_mm512_loadu_ps(s + j), top)));
-      _mm512_storeu_ps(s + j, e);
-      total = _mm512_add_ps(total, e);
+      const Vec e = ZeroUnless(FirstLanes(n - j), Exp(Sub(Load(s + j), top)));
+      Store(s + j, e);
+      total = Add(total, e);
     }
-    inverse_sum[g] = 1.0f / _mm512_reduce_add_ps(total);
+    inverse_sum[g] = 1.0f / ReduceAdd(total);
   }
-  // Values: as many 16-wide chunks of d per pass over the keys as fit the accumulator registers.
+  // Values: as many kLanes-wide chunks of d per pass over the keys as fit the registers.
   const int64_t chunks = p.dim / kLanes;
-  if constexpr (G * 4 <= kValueRegisters) {
+  if constexpr (ValueRegisters(G, 4) <= kValueRegisters) {
     if (chunks % 4 == 0) return Values<T, G, 4>(p, table, values, scores.data(), inverse_sum, start, end, stride, out);
   }
-  if (chunks % 2 == 0) return Values<T, G, 2>(p, table, values, scores.data(), inverse_sum, start, end, stride, out);
+  if constexpr (ValueRegisters(G, 2) <= kValueRegisters) {
+    if (chunks % 2 == 0) return Values<T, G, 2>(p, table, values, scores.data(), inverse_sum, start, end, stride, out);
+  }
   Values<T, G, 1>(p, table, values, scores.data(), inverse_sum, start, end, stride, out);
 }
 
@@ -282,7 +437,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (qd.size() != 3 || kd.size() != 5 || !same_kv || td.size() != 2)
     return ffi::Error::InvalidArgument(
         "decode_attention: want q [R, H, D], k and v pages [L, KV, P, S, D] of one shape, page_table [R, W]");
-  if (kd[4] != qd[2] || qd[2] % kLanes != 0 || kd[1] < 1 || qd[1] % kd[1] != 0)
+  if (kd[4] != qd[2] || qd[2] % kDimMultiple != 0 || kd[1] < 1 || qd[1] % kd[1] != 0)
     return ffi::Error::InvalidArgument(
         "decode_attention: head_dim must match between q and the pages and be a multiple of 16, and the KV "
         "heads must divide the query heads");
@@ -320,5 +475,5 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                                     .Attr<float>("scale")                     \
                                     .Attr<float>("softcap"));
 
-JAXINFER_DECODE_ATTENTION(jaxinfer_decode_attention_f32, ffi::DataType::F32)
-JAXINFER_DECODE_ATTENTION(jaxinfer_decode_attention_bf16bits, ffi::DataType::U16)
+JAXINFER_DECODE_ATTENTION(JAXINFER_SYMBOL(jaxinfer_decode_attention_f32), ffi::DataType::F32)
+JAXINFER_DECODE_ATTENTION(JAXINFER_SYMBOL(jaxinfer_decode_attention_bf16bits), ffi::DataType::U16)

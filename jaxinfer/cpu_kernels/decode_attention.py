@@ -1,5 +1,6 @@
-"""Decode attention over the paged KV cache on x86 CPUs with AVX-512: a C++ XLA FFI kernel
-(decode_attention.cc) and its plain-JAX reference.
+"""Decode attention over the paged KV cache on x86-64 CPUs: a C++ XLA FFI kernel (decode_attention.cc)
+built for AVX-512 (16-lane float vectors) and for AVX2 + FMA (8 lanes), the fastest variant this CPU runs
+chosen at run time (native_build.best_isa), and its plain-JAX reference.
 
 The pages: k_pages, v_pages [layers, kv_heads, num_pages, page_size, head_dim] (float32, or bfloat16 held
 as uint16 bit patterns, kv_cache.py); key position t of row r sits at page page_table[r, t // page_size],
@@ -17,24 +18,61 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cpu_kernels.native_build import register_kernels
+from jaxinfer.cpu_kernels.native_build import ISAS, Isa, best_isa, cpu_supports, register_isa_kernels
 
-TARGETS = {"float32": "jaxinfer_decode_attention_f32", "uint16": "jaxinfer_decode_attention_bf16bits"}
-CPU_FEATURES = ("avx512f",)
+# The handlers per cache storage dtype; each ISA variant's is the symbol + isa.suffix.
+SYMBOLS = {"float32": "jaxinfer_decode_attention_f32", "uint16": "jaxinfer_decode_attention_bf16bits"}
+KERNEL_ISAS = ISAS  # the variants decode_attention.cc builds for, fastest first
 LANES = 16  # head_dim must be a multiple of this
 _SOURCE = Path(__file__).with_suffix(".cc")
 
 
 @functools.cache
+def _registered(isa: Isa) -> bool:
+    return register_isa_kernels(_SOURCE, isa, tuple(SYMBOLS.values()))
+
+
+@functools.cache
+def chosen_isa() -> Isa | None:
+    """The variant a call without `isa` runs: the fastest this CPU supports ($JAXINFER_CPU_ISA caps it)."""
+    return best_isa(KERNEL_ISAS)
+
+
+@functools.cache
 def decode_attention_available() -> bool:
-    """Whether this process can run the kernel (an x86-64 CPU with AVX-512F and a C++ compiler, see
-    native_build.register_kernels). Builds and registers it once."""
-    return register_kernels(_SOURCE, CPU_FEATURES, tuple(TARGETS.values()))
+    """Whether this process can run the kernel: chosen_isa() exists (an x86-64 CPU with AVX2 + FMA or
+    AVX-512, JAXINFER_NATIVE_KERNELS not 0) and its variant builds (a C++ compiler). Builds and registers
+    it once."""
+    isa = chosen_isa()
+    return isa is not None and _registered(isa)
+
+
+def _variant(isa: str | None) -> Isa:
+    """The variant to call (registered), or a clear error where this process cannot run it."""
+    if isa is None:
+        chosen = chosen_isa()
+        if chosen is None or not decode_attention_available():
+            raise RuntimeError(
+                "the CPU decode-attention kernel needs an x86-64 CPU with AVX2 (or AVX-512) and a C++ "
+                "compiler (python -m jaxinfer.cpu_kernels says what this machine runs)"
+            )
+        return chosen
+    by_name = {variant.name: variant for variant in KERNEL_ISAS}
+    if isa not in by_name:
+        raise ValueError(f"unknown ISA {isa!r} for decode attention; choose one of {sorted(by_name)}")
+    if not cpu_supports(by_name[isa]):
+        raise RuntimeError(f"this CPU cannot run the {isa} variant of the decode-attention kernel")
+    if not _registered(by_name[isa]):
+        raise RuntimeError(
+            f"the {isa} variant of the decode-attention kernel did not build (no C++ compiler, or "
+            "JAXINFER_NATIVE_KERNELS=0; see the log)"
+        )
+    return by_name[isa]
 
 
 def supports(cache_storage_dtype, head_dim: int) -> bool:
     """Caches the kernel reads: float32 or bfloat16 bit patterns (uint16), head_dim a multiple of 16."""
-    return jnp.dtype(cache_storage_dtype).name in TARGETS and head_dim % LANES == 0
+    return jnp.dtype(cache_storage_dtype).name in SYMBOLS and head_dim % LANES == 0
 
 
 def _check_shapes(q, k_pages, v_pages, page_table, lengths, layer: int) -> None:
@@ -73,15 +111,14 @@ def decode_attention_cpu(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    isa: str | None = None,
 ) -> jax.Array:
     """-> [rows, heads, d] float32; zeros for rows of length 0. Reads no page-table entry past a row's
     length, and no page slot past its last key; page ids are clamped into the pool. Lengths past
-    pages_per_row * page_size are clamped to it. Needs decode_attention_available() and
-    supports(k_pages.dtype, d)."""
-    if not decode_attention_available():  # also registers the kernel, once per process
-        raise RuntimeError(
-            "the CPU decode-attention kernel needs an x86-64 CPU with AVX-512F and a C++ compiler"
-        )
+    pages_per_row * page_size are clamped to it. Needs supports(k_pages.dtype, d). Runs chosen_isa()'s
+    variant (needs decode_attention_available()), or the variant named by `isa` ("avx512_vnni",
+    "avx2"), which this CPU must support."""
+    variant = _variant(isa)  # also registers the kernel, once per process and variant
     _check_shapes(q, k_pages, v_pages, page_table, lengths, layer)
     if not supports(k_pages.dtype, q.shape[-1]):
         raise ValueError(
@@ -89,7 +126,7 @@ def decode_attention_cpu(
             f"multiple of {LANES}; got {k_pages.dtype}, head_dim {q.shape[-1]}"
         )
     call = jax.ffi.ffi_call(
-        TARGETS[jnp.dtype(k_pages.dtype).name], jax.ShapeDtypeStruct(q.shape, jnp.float32)
+        SYMBOLS[jnp.dtype(k_pages.dtype).name] + variant.suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32)
     )
     return call(
         q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),

@@ -1,23 +1,31 @@
-// int8 x int8 matmul for XLA:CPU through AVX-512 VNNI (vpdpbusd), as an XLA FFI custom call.
+// int8 x int8 matmul for XLA:CPU (AVX-512 VNNI, or AVX2), as an XLA FFI custom call.
 //
 //   out[m, n] = w_scale[n] * sum_b x_scale[m, b] * sum_{k in block b} x_q[m, k] * w_q[n, k]
 //
-// x_q     s8  [M, K]        activations quantised per row and per block of K (int8_matmul_vnni.py)
+// x_q     s8  [M, K]        activations quantised per row and per block of K (int8_matmul_vnni.py), in
+//                           [-127, 127]
 // x_scale f32 [M, KB]       one scale per row and block (block = K / KB)
-// x_comp  s32 [M, KB]       128 * the sum of x_q over each block
+// x_comp  s32 [M, KB]       128 * the sum of x_q over each block (read by the AVX-512 path only)
 // w       u8  [N/16, K/4, 16, 4]  w_q + 128, packed so one 64-byte load holds 4 consecutive k of 16 outputs
 // w_scale f32 [N]           per-output-channel weight scale
 // out     f32 [M, N]
 //
-// vpdpbusd multiplies unsigned by signed bytes, so the weights carry a +128 offset and the activations
-// stay signed (the broadcast operand); the offset's contribution, 128 * sum(x_q), is subtracted per
-// block. XLA:CPU's own dots repack the weight on every call (Gemma 3's 335 MB bf16 logits weight: ~30 ms
-// at 16 rows); here the weight is packed once, at load time, and read once per row group from L1.
+// AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so the weights carry a +128 offset and the
+// activations stay signed (the broadcast operand); the offset's contribution, 128 * sum(x_q), is
+// subtracted per block.
+// AVX2: vpmaddubsw (u8 x s8 -> saturating s16 pair sums) then vpmaddwd with ones (-> s32). Offset
+// weights would reach 255 * 127 per product and overflow the pair sums, so the weight is made signed
+// again (byte ^ 0x80 = w_q, in [-127, 127]) and the signs move onto it: |x_q| * (w_q * sign(x_q)) pairs
+// stay within 2 * 127 * 127 and need no compensation. One 64-byte weight vector is two 32-byte halves
+// (outputs 0-7 and 8-15).
+// XLA:CPU's own dots repack the weight on every call (Gemma 3's 335 MB bf16 logits weight: ~30 ms at 16
+// rows); here the weight is packed once, at load time, and read once per row group from L1.
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 
+#include "isa.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,6 +44,8 @@ struct Problem {
   float* out;
   int64_t m, n, k, kb, block;
 };
+
+#if defined(__AVX512VNNI__)
 
 // MR rows x NB blocks of 16 outputs, starting at output n0.
 template <int MR, int NB>
@@ -74,9 +84,62 @@ void Tile(const Problem& p, int64_t m0, int64_t n0) {
 
 // 4 rows x 2 blocks: 8 int32 accumulators and 2 weight vectors in registers (the float32 block totals,
 // updated once per block of 32 inputs, may live in L1).
+constexpr int kRows = 4;
+constexpr int kBlocks = 2;
+
+#else  // AVX2
+
+// MR rows x NB blocks of 16 outputs (2 * NB halves of 8), starting at output n0.
+template <int MR, int NB>
+void Tile(const Problem& p, int64_t m0, int64_t n0) {
+  constexpr int H = 2 * NB;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 total[MR][H];
+  for (int i = 0; i < MR; ++i)
+    for (int h = 0; h < H; ++h) total[i][h] = _mm256_setzero_ps();
+  const uint8_t* w = p.w + (n0 / kBlockN) * p.k * kBlockN;
+  for (int64_t b = 0; b < p.kb; ++b) {
+    __m256i acc[MR][H];
+    for (int i = 0; i < MR; ++i)
+      for (int h = 0; h < H; ++h) acc[i][h] = _mm256_setzero_si256();
+    for (int64_t k = b * p.block; k < (b + 1) * p.block; k += 4) {
+      __m256i wv[H];  // w_q, signed
+      for (int h = 0; h < H; ++h)
+        wv[h] = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (h / 2) * p.k * kBlockN + k * kBlockN + (h % 2) * 32)),
+            offset);
+      for (int i = 0; i < MR; ++i) {
+        int32_t four;
+        __builtin_memcpy(&four, p.x + (m0 + i) * p.k + k, 4);
+        const __m256i xv = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(xv);
+        for (int h = 0; h < H; ++h) {
+          const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv[h], xv));
+          acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m256 scale = _mm256_set1_ps(p.x_scale[(m0 + i) * p.kb + b]);
+      for (int h = 0; h < H; ++h) total[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), scale, total[i][h]);
+    }
+  }
+  for (int h = 0; h < H; ++h) {
+    const __m256 ws = _mm256_loadu_ps(p.w_scale + n0 + h * 8);
+    for (int i = 0; i < MR; ++i) _mm256_storeu_ps(p.out + (m0 + i) * p.n + n0 + h * 8, _mm256_mul_ps(total[i][h], ws));
+  }
+}
+
+// 4 rows x 1 block: 8 int32 accumulators, 2 weight halves, the row's broadcast, its magnitude and ones in
+// the 16 ymm registers (the float32 block totals, updated once per block of 32 inputs, may live in L1).
+constexpr int kRows = 4;
+constexpr int kBlocks = 1;
+
+#endif
+
+// Every row group over NB blocks of 16 outputs from n0: their weights (K * 16 * NB bytes) stay in L1.
 template <int NB>
 void Rows(const Problem& p, int64_t n0) {
-  constexpr int kRows = 4;
   int64_t m = 0;
   for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, n0);
   switch (p.m - m) {
@@ -87,12 +150,12 @@ void Rows(const Problem& p, int64_t n0) {
   }
 }
 
-// Outputs [n_begin, n_end), in pairs of 16-output blocks: each pair's weights (K * 32 bytes) stay in L1
-// while every row group passes over them.
+// Outputs [n_begin, n_end), in groups of kBlocks 16-output blocks: each group's weights stay in L1 while
+// every row group passes over them.
 void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
-  for (; n + 2 * kBlockN <= n_end; n += 2 * kBlockN) Rows<2>(p, n);
-  if (n < n_end) Rows<1>(p, n);
+  for (; n + kBlocks * kBlockN <= n_end; n += kBlocks * kBlockN) Rows<kBlocks>(p, n);
+  for (; n < n_end; n += kBlockN) Rows<1>(p, n);
 }
 
 ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> x_scale,
@@ -108,19 +171,20 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   p.block = p.k / p.kb;
   if (p.m == 0) return ffi::Error::Success();
 
-  const int64_t pairs = (p.n + 2 * kBlockN - 1) / (2 * kBlockN);
-  const int64_t per_chunk = std::max<int64_t>(1, pairs / (8 * std::max<int64_t>(1, pool.num_threads())));
-  const int64_t chunks = (pairs + per_chunk - 1) / per_chunk;
+  constexpr int64_t kGroup = kBlocks * kBlockN;
+  const int64_t groups = (p.n + kGroup - 1) / kGroup;
+  const int64_t per_chunk = std::max<int64_t>(1, groups / (8 * std::max<int64_t>(1, pool.num_threads())));
+  const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
   jaxinfer::ParallelFor(pool, chunks, p.m * p.n * p.k, [&p, per_chunk](int64_t c) {
-    const int64_t begin = c * per_chunk * 2 * kBlockN;
-    Columns(p, begin, std::min(p.n, begin + per_chunk * 2 * kBlockN));
+    const int64_t begin = c * per_chunk * kGroup;
+    Columns(p, begin, std::min(p.n, begin + per_chunk * kGroup));
   });
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxinfer_int8_matmul_vnni, Int8MatmulVnni,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int8_matmul_vnni), Int8MatmulVnni,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S8>>()

@@ -9,6 +9,7 @@ renamed). `register_kernels` builds, loads and registers a kernel's FFI handlers
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import logging
 import os
@@ -88,6 +89,63 @@ def cpu_description() -> str:
         pass
     present = [f for f in SIMD_FEATURES if f in cpu_flags()] or ["(none of the listed)"]
     return f"CPU: {model}, {len(os.sched_getaffinity(0))} cores; features: {' '.join(present)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Isa:
+    """One instruction set a kernel source is compiled for. The same source builds once per ISA (the
+    compiler's own macros, e.g. __AVX512VNNI__, choose the code path) and exports each handler under
+    `<symbol><suffix>`, so every variant the CPU runs can be registered in one process."""
+
+    name: str
+    cpu_features: tuple[str, ...]  # /proc/cpuinfo flags the code needs
+    compiler_flags: tuple[str, ...]
+
+    @property
+    def suffix(self) -> str:
+        return f"_{self.name}"
+
+
+AVX512_VNNI = Isa(
+    "avx512_vnni",
+    ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
+    ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+)
+AVX2 = Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"))
+ISAS = (AVX512_VNNI, AVX2)  # fastest first
+
+
+def cpu_supports(isa: Isa) -> bool:
+    return platform.machine() in ("x86_64", "AMD64") and set(isa.cpu_features) <= cpu_flags()
+
+
+def best_isa(isas: tuple[Isa, ...] = ISAS) -> Isa | None:
+    """The fastest of `isas` this CPU runs; $JAXINFER_CPU_ISA=avx2 caps the choice at that ISA (to run
+    the AVX2 code on an AVX-512 machine). None on other CPUs or with JAXINFER_NATIVE_KERNELS=0."""
+    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
+        return None
+    cap = os.environ.get("JAXINFER_CPU_ISA")
+    names = [isa.name for isa in isas]
+    if cap is not None and cap not in names:
+        raise ValueError(f"JAXINFER_CPU_ISA={cap!r} is not one of {names}")
+    start = names.index(cap) if cap else 0
+    return next((isa for isa in isas[start:] if cpu_supports(isa)), None)
+
+
+def register_isa_kernels(source: Path, isa: Isa, symbols: tuple[str, ...]) -> bool:
+    """Builds `source` for `isa` (compiled with -DJAXINFER_ISA_SUFFIX=<suffix>) and registers each
+    handler `<symbol><suffix>` as an XLA:CPU custom call of that name. False where the CPU lacks the
+    ISA, no compiler is found or JAXINFER_NATIVE_KERNELS=0."""
+    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0" or not cpu_supports(isa):
+        return False
+    library = build_library(source, (*isa.compiler_flags, f"-DJAXINFER_ISA_SUFFIX={isa.suffix}"))
+    if library is None:
+        return False
+    handlers = ctypes.cdll.LoadLibrary(str(library))
+    for symbol in symbols:
+        target = symbol + isa.suffix
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handlers, target)), platform="cpu")
+    return True
 
 
 def register_kernels(source: Path, cpu_features: tuple[str, ...], targets: tuple[str, ...]) -> bool:

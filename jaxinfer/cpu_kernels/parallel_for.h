@@ -17,14 +17,15 @@ namespace jaxinfer {
 // handed a few microseconds of work to the pool).
 constexpr int64_t kMinParallelWork = int64_t{1} << 21;
 
-// Runs body(i) for i in [0, n), `multiply_adds` of work in all. Items are claimed from a shared counter by
-// the calling thread and by helpers on the pool: a helper that starts late finds nothing left and
-// returns, so the caller never waits on a task that has not begun, and works alone where the pool is
-// busy or absent. `body` must stay valid until ParallelFor returns (helpers touch it only while items
+// Runs body(i) for i in [0, n), `multiply_adds` of work in all (split from `min_work` on). Items are
+// claimed from a shared counter by the calling thread and by helpers on the pool: a helper that starts
+// late finds nothing left and returns, so the caller never waits on a task that has not begun, and
+// works alone where the pool is busy or absent. `body` must stay valid until ParallelFor returns (helpers touch it only while items
 // remain).
 template <typename Body>
-void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t multiply_adds, const Body& body) {
-  if (multiply_adds < kMinParallelWork) {
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t n, int64_t multiply_adds, const Body& body,
+                 int64_t min_work = kMinParallelWork) {
+  if (multiply_adds < min_work || n < 2) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.params import Params, check_params, layer_shapes, top_shapes
+from jaxinfer.weight_formats import logical_shape
 
 # A leaf's position in the params pytree: ("embed",) or ("layers", 3, "q_proj").
 KeyPath = tuple[str | int, ...]
@@ -92,12 +93,7 @@ class ParamsBuilder:
         self._expected = expected_leaf_shapes(config)
         self._leaves: dict[KeyPath, jax.Array] = {}
 
-    def put(self, key_path: KeyPath, value: np.ndarray, *, source: str, owned: bool = False) -> None:
-        """Casts `value` to the target dtype and puts it on the device chosen by the placement.
-
-        owned: `value` is a fresh array nobody else will touch, so the device array may alias it (on
-        CPU `jax.device_put` then skips a copy when it is 64-byte aligned; see `aligned_empty`).
-        """
+    def _check(self, key_path: KeyPath, shape: tuple[int, ...], source: str) -> tuple[int, ...]:
         expected = self._expected.get(key_path)
         if expected is None:
             raise ModelLoadError(
@@ -105,11 +101,20 @@ class ParamsBuilder:
             )
         if key_path in self._leaves:
             raise ModelLoadError(f"tensor {source!r} gives {key_path_str(key_path)} a second time")
-        if tuple(value.shape) != expected:
+        if shape != expected:
             raise ModelLoadError(
-                f"tensor {source!r} has shape {tuple(value.shape)} but {key_path_str(key_path)} "
-                f"needs {expected} for this config"
+                f"tensor {source!r} has shape {shape} but {key_path_str(key_path)} needs {expected} "
+                "for this config"
             )
+        return expected
+
+    def put(self, key_path: KeyPath, value: np.ndarray, *, source: str, owned: bool = False) -> None:
+        """Casts `value` to the target dtype and puts it on the device chosen by the placement.
+
+        owned: `value` is a fresh array nobody else will touch, so the device array may alias it (on
+        CPU `jax.device_put` then skips a copy when it is 64-byte aligned; see `aligned_empty`).
+        """
+        expected = self._check(key_path, tuple(value.shape), source)
         if owned and value.dtype == self.np_dtype:
             host = value
         else:
@@ -119,6 +124,20 @@ class ParamsBuilder:
             host[...] = value
         sharding = self.placement(key_path, expected, self.dtype_name)
         self._leaves[key_path] = jax.device_put(host, sharding, may_alias=True)
+
+    def put_quantized(self, key_path: KeyPath, weight, *, source: str) -> None:
+        """Places a weight_formats type holding host (numpy) arrays, each array as it is (no cast), with
+        the placement of its field's path (e.g. ("layers", 0, "q_proj", "scale"))."""
+        self._check(key_path, logical_shape(weight), source)
+
+        def place(path, value: np.ndarray) -> jax.Array:
+            field = path[-1].name
+            host = aligned_empty(value.shape, value.dtype)
+            host[...] = value
+            sharding = self.placement((*key_path, field), tuple(value.shape), value.dtype.name)
+            return jax.device_put(host, sharding, may_alias=True)
+
+        self._leaves[key_path] = jax.tree_util.tree_map_with_path(place, weight)
 
     def finish(self) -> Params:
         missing = [key_path_str(k) for k in self._expected if k not in self._leaves]

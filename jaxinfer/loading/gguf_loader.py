@@ -3,6 +3,11 @@
 Supported architectures: "llama" (SmolLM2, Llama, Mistral as llama.cpp writes them) and "gemma3".
 Every type the `gguf` package can dequantise is accepted (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, K-quants).
 
+With `int4=True`, linear weights stored as Q4_0, Q4_1 or Q4_K blocks are repacked into
+weight_formats.Int4Weight without a float round trip (`int4_blocks`): every 32-weight (sub-)block maps
+onto one group's scale and minimum, so the model computes the file's own values. Tensors in other types
+load as float as usual (quantization.quantize_params then takes them to int8).
+
 Two conversions turn llama.cpp's conventions into ours (jaxinfer/params.py):
   * Llama Q/K rows are stored permuted for adjacent-pair RoPE; we un-permute them to the half-split
     layout (Q with num_heads, K with num_kv_heads). Gemma 3 files are written unpermuted.
@@ -33,6 +38,8 @@ from jaxinfer.loading.common import (
     Placement,
     aligned_empty,
 )
+from jaxinfer.quantization import LINEAR_LEAVES
+from jaxinfer.weight_formats import Int4Weight
 
 SUPPORTED_ARCHS = ("llama", "gemma3")
 GEMMA3_GLOBAL_EVERY = 6
@@ -55,6 +62,7 @@ _LAYER_TENSORS = {
     "ffn_down.weight": "down_proj",
 }
 _MISSING = object()
+GGUF_BLOCK = 32  # weights per Q4_0 / Q4_1 block and per Q4_K sub-block
 _DEQUANT_CHUNK_ELEMENTS = 1 << 22  # 16 MB of float32 per dequantise call
 
 
@@ -168,8 +176,10 @@ def load_gguf(
     *,
     dtype: str = "float32",
     placement: Placement | None = None,
+    int4: bool = False,
 ) -> LoadedModel:
-    """Reads config and weights from a GGUF file, dequantising and placing one tensor at a time."""
+    """Reads config and weights from a GGUF file, dequantising (or, with int4, repacking 4-bit blocks)
+    and placing one tensor at a time."""
     reader = open_gguf(path)
     config = config_from_gguf(reader)
     builder = ParamsBuilder(config, dtype=dtype, placement=placement)
@@ -177,8 +187,60 @@ def load_gguf(
         key_path = _key_path(tensor.name)
         if key_path is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no place in the {config.arch} params")
-        builder.put(key_path, _host_tensor(tensor, key_path, config), source=tensor.name, owned=True)
+        if int4 and key_path[-1] in LINEAR_LEAVES and tensor.tensor_type in INT4_BLOCK_TYPES:
+            builder.put_quantized(key_path, _host_int4(tensor, key_path, config), source=tensor.name)
+        else:
+            builder.put(key_path, _host_tensor(tensor, key_path, config), source=tensor.name, owned=True)
     return LoadedModel(config=config, params=builder.finish(), kind="gguf", path=_reader_path(reader))
+
+
+Q = gguf.GGMLQuantizationType
+INT4_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+
+
+def int4_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 4-bit GGUF tensor's raw rows uint8 [rows, row bytes] -> (q uint8 [rows, cols] in [0, 15],
+    scale float32 [rows, cols / 32], minimum float32 [rows, cols / 32]) with w = q * scale + minimum
+    exactly as llama.cpp dequantises it (float16 block scales widen exactly; Q4_K's d * sc and dmin * m
+    are products of a float16 and a 6-bit integer, exact in float32)."""
+    rows = data.shape[0]
+
+    def f16(raw: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> float32 [...]
+        return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+    def nibbles(qs: np.ndarray) -> np.ndarray:  # [..., 16] -> [..., 32]: low nibbles first, then high
+        return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+    if tensor_type in (Q.Q4_0, Q.Q4_1):
+        block = 18 if tensor_type == Q.Q4_0 else 20
+        blocks = data.reshape(rows, -1, block)
+        d = f16(blocks[..., 0:2])
+        minimum = -8.0 * d if tensor_type == Q.Q4_0 else f16(blocks[..., 2:4])
+        q = nibbles(blocks[..., block - 16 :])
+        return q.reshape(rows, -1), d, minimum
+    if tensor_type == Q.Q4_K:
+        blocks = data.reshape(rows, -1, 144)
+        d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])
+        packed = blocks[..., 4:16].astype(np.uint8)  # 8 six-bit scales and minimums in 12 bytes
+        low, high = packed[..., 0:4], packed[..., 4:8]
+        sc = np.concatenate([low & 63, (packed[..., 8:12] & 15) | ((low >> 6) << 4)], axis=-1)
+        m = np.concatenate([high & 63, (packed[..., 8:12] >> 4) | ((high >> 6) << 4)], axis=-1)
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)  # each 32 bytes: sub-blocks 2c (low), 2c + 1 (high)
+        q = np.stack([qs & 15, qs >> 4], axis=-2)  # [rows, super-blocks, 4, 2, 32]
+        scale = d[..., None] * sc.astype(np.float32)
+        minimum = -(dmin[..., None] * m.astype(np.float32))
+        return q.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
+    raise ValueError(f"{tensor_type.name} is not a 4-bit block type ({[t.name for t in INT4_BLOCK_TYPES]})")
+
+
+def _host_int4(tensor: Any, key_path: KeyPath, config: ModelConfig) -> Int4Weight:
+    """One 4-bit tensor as a host Int4Weight in our layout ([out, in], half-split Q/K rows)."""
+    data = tensor.data.reshape(-1, tensor.data.shape[-1])
+    q, scale, minimum = int4_blocks(data, tensor.tensor_type)
+    if config.arch == "llama" and key_path[-1] in ("q_proj", "k_proj"):
+        heads = config.num_heads if key_path[-1] == "q_proj" else config.num_kv_heads
+        q, scale, minimum = (unpermute_rope_rows(a, heads) for a in (q, scale, minimum))
+    return Int4Weight.from_values(q, scale, minimum, GGUF_BLOCK)
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

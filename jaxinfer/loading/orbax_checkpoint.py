@@ -1,7 +1,9 @@
 """jaxinfer's own checkpoint folder: the config as JSON next to the params saved with orbax.
 
     <directory>/
-      jaxinfer_model.json   {"format", "version", "config": config_to_dict(config), "dtype", "extra"}
+      jaxinfer_model.json   {"format", "version", "config": config_to_dict(config), "dtype",
+                             "quantization", "weight_formats": {leaf path: weight_formats.describe(leaf)}
+                             for every quantised leaf, "extra"}
       params/               orbax StandardCheckpointer output (the params pytree)
       tokenizer/            (written by the tokenizer code, not here)
 
@@ -31,12 +33,13 @@ from jaxinfer.loading.common import (
     expected_leaf_shapes,
 )
 from jaxinfer.params import Params, check_params
-from jaxinfer.quantization import QUANTIZED_LEAVES, quantization_of
+from jaxinfer.quantization import map_weights, quantization_of
+from jaxinfer.weight_formats import abstract_weight, describe, is_quantized
 
 MODEL_FILE = "jaxinfer_model.json"
 PARAMS_DIR = "params"
 FORMAT = "jaxinfer-orbax"
-VERSION = 1
+VERSION = 2  # 2: quantised leaves are weight_formats types, described per leaf
 
 
 def config_to_dict(config: ModelConfig) -> dict:
@@ -76,11 +79,19 @@ def save_checkpoint(
     import orbax.checkpoint as ocp  # heavy import; only checkpoint users pay for it
 
     check_params(config, params)
-    quantization = quantization_of(params)
-    # int8 leaves hold int8 values and float32 scales; the dtype recorded is that of the float leaves.
-    dtypes = {str(leaf.dtype) for leaf in jax.tree.leaves(params) if leaf.dtype != np.int8}
-    if quantization == "none" and len(dtypes) != 1:
-        raise ValueError(f"params mix dtypes {sorted(dtypes)}; save one dtype")
+    formats: dict[str, dict] = {}
+
+    def note_format(path: tuple, name: str, w):
+        if is_quantized(w):
+            formats[".".join(map(str, path))] = describe(w)
+        return w
+
+    map_weights(params, note_format)
+    # The dtype recorded is that of the float leaves (norms, unquantised weights).
+    float_leaves = [w for w in jax.tree.leaves(params, is_leaf=is_quantized) if not is_quantized(w)]
+    dtypes = {str(leaf.dtype) for leaf in float_leaves}
+    if len(dtypes) != 1:
+        raise ValueError(f"params mix float dtypes {sorted(dtypes)}; save one dtype")
     if extra is not None and not isinstance(extra, dict):
         raise ValueError(f"{type(extra)=} must be a dict or None")
     directory = Path(directory).expanduser().resolve()
@@ -94,8 +105,9 @@ def save_checkpoint(
         "format": FORMAT,
         "version": VERSION,
         "config": config_to_dict(config),
-        "dtype": "float32" if quantization != "none" else dtypes.pop(),
-        "quantization": quantization,
+        "dtype": dtypes.pop(),
+        "quantization": quantization_of(params),
+        "weight_formats": formats,
         "extra": extra or {},
     }
     text = json.dumps(record, indent=2)  # fail on a non-JSON `extra` before writing anything
@@ -145,20 +157,24 @@ def load_checkpoint(
     dtype_name = str(record.get("dtype", "float32")) if dtype is None else dtype
     np_dtype = check_dtype(dtype_name) if dtype is not None else np.dtype(jax.numpy.dtype(dtype_name))
     placement = placement or default_placement()
-    quantized = record.get("quantization", "none") == "int8"
-
-    def target_for(key_path, shape, dtype, name):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=placement(key_path, shape, name))
+    formats = record.get("weight_formats") or {}
+    if not isinstance(formats, dict):
+        raise ModelLoadError(f"{directory / MODEL_FILE}: weight_formats must be an object")
 
     targets: Params = {"layers": [{} for _ in range(config.num_layers)]}
     for key_path, shape in expected_leaf_shapes(config).items():
-        if quantized and key_path[-1] in QUANTIZED_LEAVES:
-            target = {
-                "q": target_for((*key_path, "q"), shape, np.int8, "int8"),
-                "scale": target_for((*key_path, "scale"), shape[:1], np.float32, "float32"),
-            }
-        else:
-            target = target_for(key_path, shape, np_dtype, dtype_name)
+        description = formats.get(
+            ".".join(map(str, key_path[1:] if key_path[0] == "layers" else key_path)), {}
+        )
+
+        def target_for(field, shape, dtype, key_path=key_path):
+            path = (*key_path, field) if field else key_path
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=placement(path, shape, np.dtype(dtype).name))
+
+        try:
+            target = abstract_weight(description, shape, target_for, np_dtype)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{directory / MODEL_FILE}: bad format for {key_path}: {e}") from e
         if key_path[0] == "layers":
             targets["layers"][key_path[1]][key_path[2]] = target
         else:

@@ -1,0 +1,234 @@
+// int4 weights x int8-quantised activations for XLA:CPU (AVX-512 VNNI or AVX2), as an XLA FFI custom call.
+//
+//   out[m, n] = sum_b xs[m, b] * scale[n, g(b)] * sum_{k in b} xq[m, k] * q[n, k]
+//             + sum_g minimum[n, g] * sum_{k in g} x[m, k]
+//
+// x       f32 [M, K]               activations; quantised here per row and block of 32 (symmetric int8,
+//                                  round to nearest even), their exact float sums kept per block
+// w       u8  [N/16, K/8, 16, 4]   4-bit q in [0, 15]: byte j of output lane o in chunk c holds
+//                                  q[o, 8c + j] (low nibble) and q[o, 8c + 4 + j] (high nibble)
+// scale   f32 [N/16, G, 16]        per output and group of K/G inputs (32 or 128)
+// minimum f32 [N/16, G, 16]
+// out     f32 [M, N]
+//
+// q is unsigned and x signed, the operand types of vpdpbusd (AVX-512 VNNI). AVX2 has no such instruction:
+// vpmaddubsw (u8 x s8 -> s16 pair sums, at most 2 * 15 * 127) accumulates a whole block of 32 inputs in
+// 16 bits (8 products of at most 3810 stay below 32767), then one vpmaddwd widens it to 32 bits.
+// One 64-byte load holds 8 inputs of 16 outputs; the nibbles split with a shift and a mask.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "isa.h"
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kBlockN = 16;  // outputs per packed vector group
+constexpr int kBlockK = 32;  // inputs per activation scale
+constexpr int kChunkK = 8;   // inputs per 64 packed bytes
+
+struct Problem {
+  const int8_t* xq;    // [M, K]
+  const float* xs;     // [M, K/32]
+  const float* xsum;   // [M, G]: float sums of x over each weight group
+  const uint8_t* w;
+  const float* scale;
+  const float* minimum;
+  float* out;
+  int64_t m, n, k, groups, blocks_per_group;
+};
+
+// Per row: int8 values, one scale per block of 32, float sums per weight group.
+void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t group, int8_t* xq, float* xs, float* xsum) {
+  const int64_t blocks = k / kBlockK;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* src = x + r * k + b * kBlockK;
+      float amax = 0.0f, sum = 0.0f;
+      for (int i = 0; i < kBlockK; ++i) {
+        amax = std::max(amax, std::fabs(src[i]));
+        sum += src[i];
+      }
+      const float s = amax == 0.0f ? 1.0f : amax / 127.0f;
+      xs[r * blocks + b] = s;
+      int8_t* dst = xq + r * k + b * kBlockK;
+      for (int i = 0; i < kBlockK; ++i)
+        dst[i] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(src[i] / s))));
+      xsum[r * (k / group) + b * kBlockK / group] += sum;
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+
+// MR rows x NB blocks of 16 outputs starting at block nb0.
+template <int MR, int NB>
+void Tile(const Problem& p, int64_t m0, int64_t nb0) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 total[MR][NB];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) total[i][j] = _mm512_setzero_ps();
+  const int64_t chunks = p.k / kChunkK;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    __m512 scale[NB];
+    for (int j = 0; j < NB; ++j) scale[j] = _mm512_loadu_ps(p.scale + ((nb0 + j) * p.groups + g) * kBlockN);
+    for (int64_t b = g * p.blocks_per_group; b < (g + 1) * p.blocks_per_group; ++b) {
+      __m512i acc[MR][NB];
+      for (int i = 0; i < MR; ++i)
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_si512();
+      for (int64_t c = b * (kBlockK / kChunkK); c < (b + 1) * (kBlockK / kChunkK); ++c) {
+        __m512i lo[NB], hi[NB];
+        for (int j = 0; j < NB; ++j) {
+          const __m512i v = _mm512_loadu_si512(p.w + ((nb0 + j) * chunks + c) * 64);
+          lo[j] = _mm512_and_si512(v, low);
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        for (int i = 0; i < MR; ++i) {
+          int32_t four[2];
+          __builtin_memcpy(four, p.xq + (m0 + i) * p.k + c * kChunkK, 8);
+          const __m512i x_lo = _mm512_set1_epi32(four[0]), x_hi = _mm512_set1_epi32(four[1]);
+          for (int j = 0; j < NB; ++j) {
+            acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], lo[j], x_lo);
+            acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], hi[j], x_hi);
+          }
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m512 xs = _mm512_set1_ps(p.xs[(m0 + i) * (p.k / kBlockK) + b]);
+        for (int j = 0; j < NB; ++j)
+          total[i][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i][j]), xs), scale[j], total[i][j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 minimum = _mm512_loadu_ps(p.minimum + ((nb0 + j) * p.groups + g) * kBlockN);
+      for (int i = 0; i < MR; ++i)
+        total[i][j] = _mm512_fmadd_ps(minimum, _mm512_set1_ps(p.xsum[(m0 + i) * p.groups + g]), total[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NB; ++j) _mm512_storeu_ps(p.out + (m0 + i) * p.n + (nb0 + j) * kBlockN, total[i][j]);
+}
+
+constexpr int kRows = 4;
+constexpr int kBlocks = 2;
+
+#else  // AVX2
+
+// One 16-output block is two 8-lane halves; MR rows x 2 halves.
+template <int MR, int NB>
+void Tile(const Problem& p, int64_t m0, int64_t nb0) {
+  static_assert(NB == 1, "the AVX2 tile covers one block of 16 outputs");
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 total[MR][2];
+  for (int i = 0; i < MR; ++i) total[i][0] = total[i][1] = _mm256_setzero_ps();
+  const int64_t chunks = p.k / kChunkK;
+  const uint8_t* w = p.w + nb0 * chunks * 64;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    const float* scale = p.scale + (nb0 * p.groups + g) * kBlockN;
+    const __m256 scale_lo = _mm256_loadu_ps(scale), scale_hi = _mm256_loadu_ps(scale + 8);
+    for (int64_t b = g * p.blocks_per_group; b < (g + 1) * p.blocks_per_group; ++b) {
+      __m256i acc[MR][2];
+      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+      for (int64_t c = b * (kBlockK / kChunkK); c < (b + 1) * (kBlockK / kChunkK); ++c) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + 32));
+        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+        for (int i = 0; i < MR; ++i) {
+          int32_t four[2];
+          __builtin_memcpy(four, p.xq + (m0 + i) * p.k + c * kChunkK, 8);
+          const __m256i x_lo = _mm256_set1_epi32(four[0]), x_hi = _mm256_set1_epi32(four[1]);
+          acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(lo0, x_lo));
+          acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(hi0, x_hi));
+          acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(lo1, x_lo));
+          acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(hi1, x_hi));
+        }
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xs = _mm256_set1_ps(p.xs[(m0 + i) * (p.k / kBlockK) + b]);
+        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][0], ones));
+        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][1], ones));
+        total[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), scale_lo, total[i][0]);
+        total[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), scale_hi, total[i][1]);
+      }
+    }
+    const float* minimum = p.minimum + (nb0 * p.groups + g) * kBlockN;
+    const __m256 min_lo = _mm256_loadu_ps(minimum), min_hi = _mm256_loadu_ps(minimum + 8);
+    for (int i = 0; i < MR; ++i) {
+      const __m256 xsum = _mm256_set1_ps(p.xsum[(m0 + i) * p.groups + g]);
+      total[i][0] = _mm256_fmadd_ps(min_lo, xsum, total[i][0]);
+      total[i][1] = _mm256_fmadd_ps(min_hi, xsum, total[i][1]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    _mm256_storeu_ps(p.out + (m0 + i) * p.n + nb0 * kBlockN, total[i][0]);
+    _mm256_storeu_ps(p.out + (m0 + i) * p.n + nb0 * kBlockN + 8, total[i][1]);
+  }
+}
+
+constexpr int kRows = 2;
+constexpr int kBlocks = 1;
+
+#endif
+
+// Every row group over NB output blocks from nb0: the blocks' weights stay in L1/L2 across row groups.
+template <int NB>
+void Rows(const Problem& p, int64_t nb0) {
+  int64_t m = 0;
+  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, nb0);
+  for (; m < p.m; ++m) Tile<1, NB>(p, m, nb0);
+}
+
+void Columns(const Problem& p, int64_t nb_begin, int64_t nb_end) {
+  int64_t nb = nb_begin;
+  for (; nb + kBlocks <= nb_end; nb += kBlocks) Rows<kBlocks>(p, nb);
+  for (; nb < nb_end; ++nb) Rows<1>(p, nb);
+}
+
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> minimum, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = minimum.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || sd.size() != 3 || md.size() != 3 || wd[2] != kBlockN || wd[3] != 4 ||
+      sd[2] != kBlockN || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2])
+    return ffi::Error::InvalidArgument(
+        "int4_matmul: want x [M, K], w [N/16, K/8, 16, 4], scale and minimum [N/16, G, 16]");
+  const int64_t m = xd[0], k = xd[1], groups = sd[1];
+  if (wd[1] * kChunkK != k || sd[0] != wd[0] || groups <= 0 || k % groups != 0 || (k / groups) % kBlockK != 0)
+    return ffi::Error::InvalidArgument("int4_matmul: K, groups and weight layout disagree");
+  if (m == 0) return ffi::Error::Success();
+  const int64_t group = k / groups;
+  std::vector<int8_t> xq(m * k);
+  std::vector<float> xs(m * (k / kBlockK)), xsum(m * groups, 0.0f);
+  QuantizeRows(x.typed_data(), m, k, group, xq.data(), xs.data(), xsum.data());
+  Problem p{xq.data(), xs.data(), xsum.data(), w.typed_data(), scale.typed_data(), minimum.typed_data(),
+            out->typed_data(), m, wd[0] * kBlockN, k, groups, group / kBlockK};
+
+  const int64_t blocks = wd[0];
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_chunk = std::max<int64_t>(kBlocks, blocks / (4 * threads));
+  const int64_t chunks = (blocks + per_chunk - 1) / per_chunk;
+  // A product's cost is its weight bytes as much as its multiply-adds: split from 256 KiB of weights.
+  jaxinfer::ParallelFor(pool, chunks, p.n * p.k / 2 * std::max<int64_t>(1, m / 4), [&p, per_chunk, blocks](int64_t c) {
+    Columns(p, c * per_chunk, std::min(blocks, (c + 1) * per_chunk));
+  }, int64_t{1} << 18);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int4_matmul), Int4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,117 @@
+"""int4 weights times int8-quantised activations on x86-64 CPUs: a C++ XLA FFI kernel (int4_matmul.cc)
+built for AVX-512 VNNI and for AVX2, the fastest variant this CPU runs chosen at run time.
+
+XLA:CPU has no fast form of a 4-bit weight: unpacking nibbles in the graph runs far slower than the float
+product. The kernel reads the packed nibbles once per row group, quantises the activations per row and
+block of 32 inputs (symmetric int8, as llama.cpp's Q8_0 activations) and multiplies bytes: vpdpbusd on
+AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2. The group minimums multiply the float sums of the
+activations, so only the q * scale part sees activation rounding.
+
+`pack_int4` turns a weight_formats.Int4Weight into the kernel's PackedInt4Weight (the packed bytes replace
+the Int4Weight's, so the weight is held once); `unpack_int4` inverts it. `int4_matmul_cpu_reference` is
+the kernel's arithmetic in plain JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.cpu_kernels.native_build import ISAS, Isa, best_isa, register_isa_kernels
+from jaxinfer.weight_formats import Int4Weight, PackedInt4Weight
+from pallas_kernels import quantize_int8
+
+SYMBOL = "jaxinfer_int4_matmul"
+BLOCK_N = 16  # outputs per packed 64-byte vector
+CHUNK_K = 8  # inputs per packed 64-byte vector (two nibbles of four inputs per output)
+ACTIVATION_BLOCK = 32  # inputs per activation scale
+_SOURCE = Path(__file__).with_suffix(".cc")
+
+
+@functools.cache
+def _registered(isa: Isa) -> bool:
+    return register_isa_kernels(_SOURCE, isa, (SYMBOL,))
+
+
+def _isa(name: str | None) -> Isa | None:
+    if name is None:
+        return best_isa()
+    by_name = {isa.name: isa for isa in ISAS}
+    if name not in by_name:
+        raise ValueError(f"unknown ISA {name!r}; choose one of {sorted(by_name)}")
+    return by_name[name]
+
+
+def int4_matmul_available(isa: str | None = None) -> bool:
+    """Whether this process runs the kernel (the best ISA variant for this CPU, or `isa`): an x86-64 CPU
+    with AVX2 (or AVX-512 VNNI), a C++ compiler, JAXINFER_NATIVE_KERNELS not 0. Builds it once."""
+    chosen = _isa(isa)
+    return chosen is not None and _registered(chosen)
+
+
+def supports(out_features: int, in_features: int) -> bool:
+    """Weight shapes the kernel takes: out % 16 == 0 (in is a multiple of the int4 group already)."""
+    return out_features % BLOCK_N == 0 and in_features % ACTIVATION_BLOCK == 0
+
+
+def pack_int4(w: Int4Weight) -> PackedInt4Weight:
+    """Int4Weight [out, in] -> the kernel layout: packed uint8 [out/16, in/8, 16, 4], where byte j of
+    output lane o in chunk c holds q[o, 8c + j] in its low nibble and q[o, 8c + 4 + j] in its high one
+    (one 64-byte load feeds two vpdpbusd over four inputs each); scale and minimum [out/16, groups, 16]."""
+    out_features, in_features = w.shape
+    q = w.values().reshape(out_features // BLOCK_N, BLOCK_N, in_features // CHUNK_K, 2, 4)
+    packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
+
+    def lanes(a: jax.Array) -> jax.Array:
+        return a.reshape(out_features // BLOCK_N, BLOCK_N, -1).transpose(0, 2, 1).astype(jnp.float32)
+
+    return PackedInt4Weight(packed, lanes(w.scale), lanes(w.minimum), w.group_size, in_features)
+
+
+def unpack_int4(p: PackedInt4Weight) -> Int4Weight:
+    """Inverse of pack_int4."""
+    blocks, chunks = p.packed.shape[:2]
+    pairs = jnp.stack([p.packed & 15, p.packed >> 4], axis=3)  # [blocks, chunks, 16, 2, 4]
+    q = pairs.transpose(0, 2, 1, 3, 4).reshape(blocks * BLOCK_N, chunks * CHUNK_K)
+
+    def rows(a: jax.Array) -> jax.Array:
+        return a.transpose(0, 2, 1).reshape(blocks * BLOCK_N, -1)
+
+    return Int4Weight.from_values(q, rows(p.scale), rows(p.minimum), p.group_size)
+
+
+def int4_matmul_cpu(x: jax.Array, w: PackedInt4Weight, *, isa: str | None = None) -> jax.Array:
+    """x [rows, in] float . w (pack_int4's form of [out, in]) -> [rows, out] float32."""
+    chosen = _isa(isa)
+    if chosen is None or not _registered(chosen):
+        raise RuntimeError(
+            f"the native int4 kernel ({isa or 'best ISA'}) needs an x86-64 CPU with AVX2 or AVX-512 VNNI "
+            "and a C++ compiler (python -m jaxinfer.cpu_kernels says what this machine runs)"
+        )
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"x {x.shape} does not fit an int4 weight of shape {w.shape}")
+    call = jax.ffi.ffi_call(
+        SYMBOL + chosen.suffix, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    )
+    return call(x.astype(jnp.float32), w.packed, w.scale, w.minimum)
+
+
+def int4_matmul_cpu_reference(x: jax.Array, w: Int4Weight) -> jax.Array:
+    """The kernel's arithmetic in plain JAX on the unpacked Int4Weight."""
+    rows, in_features = x.shape
+    out_features = w.shape[0]
+    blocks = in_features // ACTIVATION_BLOCK
+    x = x.astype(jnp.float32)
+    x_q, x_scale = quantize_int8(x, group_size=ACTIVATION_BLOCK)  # [rows, in], [rows, blocks]
+    q = w.values().reshape(out_features, blocks, ACTIVATION_BLOCK)
+    partial = jnp.einsum(
+        "rbk,obk->rbo", x_q.reshape(rows, blocks, -1), q.astype(jnp.int8), preferred_element_type=jnp.int32
+    )  # [rows, blocks, out]
+    per_group = w.group_size // ACTIVATION_BLOCK
+    block_scale = jnp.repeat(w.scale, per_group, axis=1)  # [out, blocks]
+    product = jnp.einsum("rbo,rb,ob->ro", partial.astype(jnp.float32), x_scale, block_scale)
+    x_sums = x.reshape(rows, -1, w.group_size).sum(-1)  # [rows, groups]
+    return product + x_sums @ w.minimum.T

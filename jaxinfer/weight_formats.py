@@ -1,0 +1,241 @@
+"""The weight formats: a linear weight (or the embedding table) is a float array or one of the types below.
+
+Each type is a frozen dataclass registered as a pytree: its arrays are the children (so `jax.jit`,
+`jax.device_put`, sharding and orbax see plain arrays), its group size is static metadata. Loaders,
+kernel dispatch (kernel_dispatch.linear), checkpoints, sharding rules and memory accounting go through
+these types; adding a format means a class here, its kernels and its tests.
+
+    Int8Weight        w[o, i] = q[o, i] * scale[o]                      (8.0 bits per weight)
+    Int4Weight        w[o, i] = q[o, i] * scale[o, g] + minimum[o, g]   (4 + 64 / group_size bits)
+                      q in [0, 15], g = i // group_size
+    PackedInt4Weight  an Int4Weight in the native CPU kernel's layout (cpu_kernels/int4_matmul.py)
+
+Int4Weight holds float32 scales and minimums so that GGUF's 4-bit blocks map onto it exactly: Q4_0
+(w = d * (q - 8): scale d, minimum -8d), Q4_1 (w = d * q + m) and Q4_K (each 32-weight sub-block: scale
+d * sc, minimum -dmin * m, products of a float16 and a 6-bit integer, exact in float32). At a group of 32
+that is 6 bits per weight: 19% of float32, 75% of int8.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+
+INT4_LEVELS = 15  # q in [0, 15]
+INT4_GROUP_SIZES = (32, 128)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["q", "scale", "vnni", "bf16"], meta_fields=[]
+)
+@dataclasses.dataclass(frozen=True)
+class Int8Weight:
+    """Symmetric int8 with one scale per output channel (per vocabulary row for the embedding table, so
+    the same scales serve the lookup and the tied logits projection).
+
+    q: int8 [out, in]; scale: float32 [out].
+    vnni: the same bytes packed for the CPU VNNI kernel (cpu_kernels.pack_weight), uint8
+        [out/16, in/4, 16, 4], or None.
+    bf16: the dequantised weight in bfloat16 [out, in] for products of several rows on XLA:CPU, or None.
+    """
+
+    q: Any
+    scale: Any
+    vnni: Any = None
+    bf16: Any = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return (self.q.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["packed", "scale", "minimum"], meta_fields=["group_size"]
+)
+@dataclasses.dataclass(frozen=True)
+class Int4Weight:
+    """Asymmetric 4-bit values per group of `group_size` consecutive inputs.
+
+    packed: uint8 [out, in / 2]; byte j holds q[o, 2j] in its low nibble and q[o, 2j + 1] in its high one.
+    scale, minimum: float32 [out, in / group_size].
+    """
+
+    packed: Any
+    scale: Any
+    minimum: Any
+    group_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], 2 * self.packed.shape[1])
+
+    def values(self) -> jax.Array:
+        """q: uint8 [out, in] in [0, 15]."""
+        out_features, half = self.packed.shape
+        return jnp.stack([self.packed & 15, self.packed >> 4], axis=-1).reshape(out_features, 2 * half)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        out_features, in_features = self.shape
+        groups = self.values().reshape(out_features, -1, self.group_size).astype(jnp.float32)
+        w = groups * self.scale[..., None] + self.minimum[..., None]
+        return w.reshape(out_features, in_features).astype(dtype)
+
+    @classmethod
+    def from_values(cls, q, scale, minimum, group_size: int) -> Int4Weight:
+        """From unpacked q uint8 [out, in] in [0, 15] (numpy or jax; numpy stays on the host)."""
+        xp = np if isinstance(q, np.ndarray) else jnp
+        pairs = q.reshape(q.shape[0], -1, 2).astype(xp.uint8)
+        packed = pairs[..., 0] | (pairs[..., 1] << 4)
+        return cls(packed.astype(xp.uint8), scale, minimum, group_size)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["packed", "scale", "minimum"],
+    meta_fields=["group_size", "in_features"],
+)
+@dataclasses.dataclass(frozen=True)
+class PackedInt4Weight:
+    """An Int4Weight in the layout of the native CPU kernel (cpu_kernels.int4_matmul: pack_int4 builds
+    it and documents the layout); it replaces the Int4Weight, so the weight is held once."""
+
+    packed: Any  # uint8 [out / 16, in / 8, 16, 4]
+    scale: Any  # float32 [out / 16, in / group_size, 16]
+    minimum: Any  # float32 [out / 16, in / group_size, 16]
+    group_size: int = 32
+    in_features: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0] * self.packed.shape[2], self.in_features)
+
+
+QuantizedWeight = Int8Weight | Int4Weight | PackedInt4Weight
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, PackedInt4Weight)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, QUANTIZED_TYPES)
+
+
+def format_name(w) -> str:
+    """ "float", "int8" or "int4" (either int4 layout)."""
+    if isinstance(w, Int8Weight):
+        return "int8"
+    if isinstance(w, (Int4Weight, PackedInt4Weight)):
+        return "int4"
+    return "float"
+
+
+def logical_shape(w) -> tuple[int, ...]:
+    """The [out, in] shape of the weight a leaf stands for, whatever its format."""
+    return tuple(w.shape)
+
+
+def quantize_int8(w: jax.Array) -> Int8Weight:
+    """Symmetric per-output-channel int8 of a float [out, in]; all-zero rows get scale 1."""
+    return Int8Weight(*pallas_kernels.quantize_int8(w))
+
+
+def int4_group_size(in_features: int, preferred: int) -> int | None:
+    """`preferred` where it divides the inputs, else the largest group size that does; None if none does."""
+    fitting = [g for g in INT4_GROUP_SIZES if g <= preferred and in_features % g == 0]
+    return max(fitting, default=None)
+
+
+def check_int4_shape(shape: tuple[int, ...], group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    if len(shape) != 2 or shape[1] % group_size:
+        raise ValueError(f"int4 needs a [out, in] weight with in a multiple of {group_size}; got {shape}")
+
+
+def int4_grid(
+    w: jax.Array, group_size: int, clip: jax.Array | None = None, round_fn=jnp.round
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The asymmetric int4 levels of a float [out, in] per group of `group_size` inputs:
+    (q float32 [out, groups, group_size] in [0, 15], scale [out, groups], minimum [out, groups]).
+
+    clip: optional [out, groups] factors in (0, 1] that shrink each group's [min, max] range around its
+    midpoint (int4_calibration fits them); values outside the clipped range saturate to q = 0 or 15.
+    round_fn: jnp.round, or a straight-through rounding to train the clips through.
+    """
+    check_int4_shape(tuple(w.shape), group_size)
+    out_features, in_features = w.shape
+    groups = w.astype(jnp.float32).reshape(out_features, in_features // group_size, group_size)
+    low, high = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)
+    if clip is not None:
+        mid, half = (high + low) / 2, (high - low) / 2 * clip
+        low, high = mid - half, mid + half
+    scale = jnp.where(high > low, (high - low) / INT4_LEVELS, 1.0)
+    q = jnp.clip(round_fn((groups - low[..., None]) / scale[..., None]), 0, INT4_LEVELS)
+    return q, scale, low
+
+
+def quantize_int4(w: jax.Array, group_size: int = 32, clip: jax.Array | None = None) -> Int4Weight:
+    """Round-to-nearest asymmetric int4 of a float [out, in] (int4_grid's levels, clipped by `clip`)."""
+    q, scale, low = int4_grid(w, group_size, clip)
+    return Int4Weight.from_values(q.astype(jnp.uint8).reshape(w.shape), scale, low, group_size)
+
+
+def dequantize(w) -> jax.Array:
+    """The float32 [out, in] values a weight of any format stands for (PackedInt4Weight excepted)."""
+    if isinstance(w, (Int8Weight, Int4Weight)):
+        return w.dequantize()
+    if isinstance(w, PackedInt4Weight):
+        raise ValueError("a PackedInt4Weight is dequantised through cpu_kernels.unpack_int4")
+    return jnp.asarray(w, jnp.float32)
+
+
+def concat_rows(weights: list) -> Any:
+    """Weights of one format stacked along `out` (fused projections); float arrays or Int8/Int4Weight."""
+    first = weights[0]
+    if not all(type(w) is type(first) for w in weights):
+        raise ValueError(f"cannot fuse weights of formats {[format_name(w) for w in weights]}")
+    if isinstance(first, Int4Weight):
+        if len({w.group_size for w in weights}) != 1:
+            raise ValueError("cannot fuse int4 weights of different group sizes")
+    if isinstance(first, PackedInt4Weight):
+        raise ValueError("fuse projections before packing for the CPU kernel")
+    return jax.tree.map(lambda *arrays: jnp.concatenate(arrays), *weights)
+
+
+def describe(w) -> dict[str, Any]:
+    """What a checkpoint records about a leaf so it can be restored into the same type."""
+    if isinstance(w, Int4Weight):
+        return {"format": "int4", "group_size": w.group_size}
+    if isinstance(w, PackedInt4Weight):
+        raise ValueError("save the Int4Weight form, not the CPU kernel's packing")
+    return {"format": format_name(w)}
+
+
+def abstract_weight(description: dict[str, Any], shape: tuple[int, ...], target, float_dtype) -> Any:
+    """The restore target of a leaf `describe` described: target(suffix, shape, dtype) makes each array's
+    target (a jax.ShapeDtypeStruct with its sharding), suffix naming the field ("" for a float array)."""
+    kind = description.get("format", "float")
+    if kind == "float":
+        return target("", shape, float_dtype)
+    out_features, in_features = shape
+    if kind == "int8":
+        return Int8Weight(target("q", shape, np.int8), target("scale", (out_features,), np.float32))
+    if kind == "int4":
+        group_size = int(description["group_size"])
+        check_int4_shape(shape, group_size)
+        groups = (out_features, in_features // group_size)
+        return Int4Weight(
+            target("packed", (out_features, in_features // 2), np.uint8),
+            target("scale", groups, np.float32),
+            target("minimum", groups, np.float32),
+            group_size,
+        )
+    raise ValueError(f"unknown weight format {kind!r}")

@@ -1,0 +1,232 @@
+"""int4 weights: the format, the GGUF block repack, the native CPU kernel on every ISA this CPU runs,
+checkpoints, and a model decoding through them."""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import shutil
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import KernelConfig
+from jaxinfer.cpu_kernels import (
+    decode_attention_available,
+    int4_matmul_available,
+    int4_matmul_cpu,
+    int4_matmul_cpu_reference,
+    pack_int4,
+    unpack_int4,
+)
+from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
+from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
+from jaxinfer.kernel_dispatch import embed, linear
+from jaxinfer.loading.gguf_loader import int4_blocks
+from jaxinfer.params import check_params, fuse_projections, random_params
+from jaxinfer.quantization import (
+    map_weights,
+    pack_int4_weights,
+    quantization_of,
+    quantize_params,
+    weight_bytes,
+)
+from jaxinfer.weight_formats import (
+    Int4Weight,
+    Int8Weight,
+    PackedInt4Weight,
+    dequantize,
+    is_quantized,
+    quantize_int4,
+)
+from tests.test_engine import LLAMA
+
+ISAS_HERE = [isa.name for isa in ISAS if cpu_supports(isa)]
+NATIVE_POSSIBLE = bool(ISAS_HERE) and shutil.which("g++") is not None
+
+
+def _rel(a, b) -> float:
+    return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+def _weight(rng, out_features: int, in_features: int, group_size: int) -> Int4Weight:
+    return quantize_int4(jnp.asarray(rng.normal(size=(out_features, in_features)), jnp.float32), group_size)
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_round_to_nearest_int4_stays_within_half_a_step(group_size):
+    rng = np.random.default_rng(group_size)
+    w = jnp.asarray(rng.normal(size=(24, 256)), jnp.float32)
+    q = quantize_int4(w, group_size)
+    assert q.packed.dtype == jnp.uint8 and q.packed.shape == (24, 128) and q.shape == (24, 256)
+    assert q.scale.shape == (24, 256 // group_size)
+    values = np.asarray(q.values())
+    assert values.min() == 0 and values.max() == 15  # each group's extremes land on the end levels
+    step = np.repeat(np.asarray(q.scale), group_size, axis=1)
+    assert np.all(np.abs(np.asarray(q.dequantize()) - np.asarray(w)) <= step / 2 + 1e-6)
+    # A clipping factor narrows the range: finer steps, saturated extremes.
+    clipped = quantize_int4(w, group_size, clip=jnp.full(q.scale.shape, 0.8))
+    np.testing.assert_allclose(np.asarray(clipped.scale), 0.8 * np.asarray(q.scale), rtol=1e-5)
+
+
+def test_int4_rejects_shapes_it_cannot_group():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(jnp.ones((4, 48)), 32)
+    with pytest.raises(ValueError, match="group size"):
+        quantize_int4(jnp.ones((4, 64)), 64)
+
+
+def test_the_cpu_packing_round_trips():
+    w = _weight(np.random.default_rng(0), 48, 96, 32)
+    packed = pack_int4(w)
+    assert isinstance(packed, PackedInt4Weight) and packed.shape == w.shape
+    assert packed.packed.shape == (3, 12, 16, 4)
+    back = unpack_int4(packed)
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(w)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _gguf_rows(tensor_type, rows: int, cols: int, rng) -> np.ndarray:
+    """Random blocks of a 4-bit type with finite float16 scales."""
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[tensor_type]
+    data = rng.integers(0, 256, size=(rows, cols // block_weights, block_bytes), dtype=np.uint8)
+    halves = 2 if tensor_type == gguf.GGMLQuantizationType.Q4_0 else 4  # d (and m or dmin)
+    scales = rng.uniform(-0.05, 0.05, size=(rows, cols // block_weights, halves // 2)).astype(np.float16)
+    data[..., :halves] = scales.view(np.uint8).reshape(rows, cols // block_weights, halves)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+def test_gguf_4bit_blocks_repack_to_the_files_own_values(kind):
+    tensor_type = gguf.GGMLQuantizationType[kind]
+    data = _gguf_rows(tensor_type, 5, 512, np.random.default_rng(1))
+    q, scale, minimum = int4_blocks(data, tensor_type)
+    weight = Int4Weight.from_values(q, scale, minimum, 32)
+    expected = gguf.quants.dequantize(data, tensor_type)  # llama.cpp's arithmetic, as the gguf package has it
+    np.testing.assert_array_equal(np.asarray(weight.dequantize()), expected)
+
+
+def test_the_embedded_smollm2_loads_its_q4_1_blocks_exactly():
+    from jaxinfer.loading.gguf_loader import load_gguf, open_gguf
+    from jaxinfer.registry import resolve_model
+
+    reader = open_gguf(resolve_model("smollm2-135m-instruct")[1])
+    int4 = load_gguf(reader, int4=True).params
+    dense = load_gguf(reader).params
+    assert quantization_of(int4) == "int4"
+    for layer_int4, layer_dense in zip(int4["layers"][:3], dense["layers"][:3]):
+        for name, w in layer_int4.items():
+            if name.endswith("norm"):
+                continue
+            assert isinstance(w, Int4Weight), name  # every SmolLM2 linear weight is Q4_1
+            # The repack is exact, q/k rows un-permuted like the float path.
+            np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(layer_dense[name]))
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE or ["none"])
+@pytest.mark.parametrize(("rows", "out_features", "in_features", "group_size"),
+                         [(1, 48, 96, 32), (3, 64, 256, 128), (17, 112, 160, 32)])  # fmt: skip
+def test_native_int4_kernel_matches_its_reference(isa, rows, out_features, in_features, group_size):
+    if isa == "none":
+        pytest.skip(f"{platform.machine()} has neither AVX2 nor AVX-512 VNNI")
+    rng = np.random.default_rng(rows)
+    w = _weight(rng, out_features, in_features, group_size)
+    x = jnp.asarray(rng.normal(size=(rows, in_features)), jnp.float32)
+    got = jax.jit(lambda x, w: int4_matmul_cpu(x, w, isa=isa))(x, pack_int4(w))
+    assert _rel(got, int4_matmul_cpu_reference(x, w)) < 1e-5
+    # int8 activation blocks of 32 cost about 1% against the exact product of the 4-bit weight.
+    assert _rel(got, x @ w.dequantize().T) < 3e-2
+
+
+def test_native_int4_kernel_builds_wherever_the_cpu_allows():
+    if not NATIVE_POSSIBLE:
+        pytest.skip("needs an x86-64 CPU with AVX2 and g++")
+    for isa in ISAS_HERE:
+        assert int4_matmul_available(isa), f"the {isa} int4 kernel did not build on a CPU that runs it"
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_every_int4_linear_form_matches_the_dequantised_weight(rows):
+    rng = np.random.default_rng(rows)
+    w = _weight(rng, 64, 96, 32)
+    x = jnp.asarray(rng.normal(size=(2, rows, 96)), jnp.float32)
+    exact = x @ w.dequantize().T
+    assert _rel(linear(x, w, KernelConfig()), exact) < 1e-5  # XLA over the dequantised weight
+    pallas = linear(x, w, KernelConfig(matmul="pallas", interpret=True))
+    assert _rel(pallas, exact) < 1e-5
+    if NATIVE_POSSIBLE:
+        native = linear(x, pack_int4(w), KernelConfig(matmul="native"))
+        assert native.shape == exact.shape and _rel(native, exact) < 3e-2
+
+
+def test_int4_embedding_rows_are_dequantised_rows():
+    table = _weight(np.random.default_rng(0), 50, 64, 32)
+    tokens = jnp.array([[3, 49, 0]])
+    expected = table.dequantize()[tokens]
+    np.testing.assert_allclose(np.asarray(embed(table, tokens, jnp.float32)), np.asarray(expected), rtol=1e-6)
+
+
+def test_int4_params_quantise_layers_and_keep_tables_int8():
+    params = random_params(LLAMA, seed=0)
+    before = weight_bytes(params)
+    quantized = quantize_params(random_params(LLAMA, seed=0), "int4")
+    check_params(LLAMA, quantized)
+    assert quantization_of(quantized) == "int4"
+    assert isinstance(quantized["layers"][0]["down_proj"], Int4Weight)
+    assert isinstance(quantized["embed"], Int8Weight)
+    fused = fuse_projections(quantized)
+    assert isinstance(fused["layers"][0]["qkv_proj"], Int4Weight)
+    assert fused["layers"][0]["qkv_proj"].shape == (
+        LLAMA.hidden_size + 2 * 2 * LLAMA.head_dim,
+        LLAMA.hidden_size,
+    )
+    assert weight_bytes(quantized) < before * 0.3
+
+
+def test_int4_checkpoints_round_trip(tmp_path):
+    from jaxinfer.loading import load_model, save_checkpoint
+
+    params = quantize_params(random_params(LLAMA, seed=2), "int4")
+    save_checkpoint(tmp_path / "ckpt", LLAMA, params)
+    loaded = load_model(tmp_path / "ckpt")
+    assert loaded.config == LLAMA
+    flat, tree = jax.tree.flatten(params)
+    flat_loaded, tree_loaded = jax.tree.flatten(loaded.params)
+    assert tree == tree_loaded
+    for a, b in zip(flat, flat_loaded):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_int4_decode_matches_recompute_at_any_batch(native):
+    if native and not NATIVE_POSSIBLE:
+        pytest.skip("needs an x86-64 CPU with AVX2 and g++")
+    config = dataclasses.replace(LLAMA, vocab_size=112)
+    tokens = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, size=20)]
+    params = fuse_projections(quantize_params(random_params(config, seed=3), "int4"))
+    # The same model with every weight dequantised to float32: what the 4-bit weights stand for.
+    dequantised = map_weights(params, lambda path, name, w: dequantize(w) if is_quantized(w) else w)
+    reference = teacher_forced_logits(dequantised, config, tokens, KernelConfig())
+    # Attention through the native kernel too where it runs: XLA's own attention may reduce in another
+    # order at another row count.
+    attention = "native" if native and decode_attention_available() else "xla"
+    kernels = KernelConfig(matmul="native", attention=attention) if native else KernelConfig()
+    if native:
+        params = pack_int4_weights(params)
+        assert isinstance(params["layers"][0]["qkv_proj"], PackedInt4Weight)
+    full = teacher_forced_logits(params, config, tokens, kernels)
+    # Exact through XLA; the native kernel rounds activations to int8 blocks of 32 (~1% per product,
+    # compounding over the layers: 4.1% measured on this random model).
+    assert _rel(full, reference) < (6e-2 if native else 1e-5)
+    decoded = {
+        rows: teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype="float32")
+        for rows in (2, 5)
+    }
+    if attention == "native":  # each row quantised and multiplied on its own: bit for bit at any batch
+        np.testing.assert_array_equal(decoded[2], decoded[5])
+    # Cached decode vs one pass: float rounding may move an activation across an int8 rounding boundary.
+    for rows, logits in decoded.items():
+        assert _rel(jnp.asarray(logits), full) < (3e-2 if native else 1e-4), rows

@@ -24,6 +24,7 @@ from jaxinfer.cpu_kernels import (
 )
 from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
 from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
+from jaxinfer.int4_calibration import calibrate_int4
 from jaxinfer.kernel_dispatch import embed, linear
 from jaxinfer.loading.gguf_loader import int4_blocks
 from jaxinfer.params import check_params, fuse_projections, random_params
@@ -230,3 +231,29 @@ def test_int4_decode_matches_recompute_at_any_batch(native):
     # Cached decode vs one pass: float rounding may move an activation across an int8 rounding boundary.
     for rows, logits in decoded.items():
         assert _rel(jnp.asarray(logits), full) < (3e-2 if native else 1e-4), rows
+
+
+def test_optax_calibrated_clipping_lowers_each_layers_output_error():
+    config = dataclasses.replace(LLAMA, vocab_size=112)
+    params = random_params(config, seed=4)
+    # Heavy-tailed weights, as trained models have: a few outliers set round-to-nearest's group ranges.
+    rng = np.random.default_rng(0)
+    for layer in params["layers"]:
+        for name in ("gate_proj", "down_proj"):
+            layer[name] = layer[name] * jnp.asarray(rng.standard_t(3, size=layer[name].shape), jnp.float32)
+    tokens = [int(t) for t in rng.integers(0, config.vocab_size, size=48)]
+    clips, fits = calibrate_int4(params, config, tokens, steps=30)
+    assert [f.layer for f in fits] == list(range(config.num_layers))
+    assert all(f.calibrated_error <= f.rtn_error for f in fits)
+    assert sum(f.calibrated_error for f in fits) < 0.95 * sum(f.rtn_error for f in fits)
+    assert clips, "some weights were clipped"
+    for (layer, name), clip in clips.items():
+        weight = params["layers"][layer][name]
+        assert clip.shape == (weight.shape[0], weight.shape[1] // 32)
+        assert float(clip.min()) > 0 and float(clip.max()) <= 1
+    # quantize_params applies them: clipped groups get finer steps than round-to-nearest's.
+    (layer, name), clip = next(iter(clips.items()))
+    copy = jax.tree.map(jnp.copy, params)
+    rtn = quantize_params(jax.tree.map(jnp.copy, params), "int4")["layers"][layer][name]
+    calibrated = quantize_params(copy, "int4", clips=clips)["layers"][layer][name]
+    np.testing.assert_allclose(np.asarray(calibrated.scale), np.asarray(rtn.scale * clip), rtol=1e-4)

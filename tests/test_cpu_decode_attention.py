@@ -15,7 +15,6 @@ from jaxinfer.cpu_kernels import (
     decode_attention_available,
     decode_attention_cpu,
     decode_attention_cpu_reference,
-    vnni_available,
 )
 from jaxinfer.cpu_kernels.native_build import ISAS, best_isa, cpu_supports, register_isa_kernels
 
@@ -31,24 +30,17 @@ _int8_matmul = importlib.import_module("jaxinfer.cpu_kernels.int8_matmul_vnni")
 
 
 @pytest.mark.parametrize("isa", CPU_ISAS)  # none (an empty set, skipped) only on a CPU with neither ISA
-@pytest.mark.parametrize(
-    "kernel,symbols",
-    [
-        (_decode_attention, tuple(_decode_attention.SYMBOLS.values())),
-        (_int8_matmul, (_int8_matmul.SYMBOL,)),
-    ],
-    ids=["decode_attention", "int8_matmul"],
-)
-def test_kernels_build_wherever_the_cpu_allows(kernel, symbols, isa):
-    # Guards the skips in this file and in test_int8_matmul_vnni.py: a kernel variant that stops
-    # compiling must fail here, not turn its tests into skips.
+@pytest.mark.parametrize("module", ["decode_attention", "int8_matmul_vnni", "int4_matmul"])
+def test_kernels_build_wherever_the_cpu_allows(module, isa):
+    # Guards the skips of the native-kernel tests: a kernel variant that stops compiling must fail here,
+    # not turn its tests into skips.
     if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
         pytest.skip("native kernels switched off (JAXINFER_NATIVE_KERNELS=0)")
     assert shutil.which(os.environ.get("CXX", "g++")), "no C++ compiler (g++ or $CXX) on an x86-64 CPU"
+    kernel = importlib.import_module(f"jaxinfer.cpu_kernels.{module}").KERNEL
     variant = next(variant for variant in ISAS if variant.name == isa)
-    assert register_isa_kernels(kernel._SOURCE, variant, symbols), f"the {isa} variant did not build"
-    assert kernel.chosen_isa() == best_isa(kernel.KERNEL_ISAS)
-    assert decode_attention_available() and vnni_available()
+    assert register_isa_kernels(kernel.source, variant, kernel.symbols), f"the {isa} variant did not build"
+    assert kernel.available(isa) and kernel.chosen_isa() == best_isa(kernel.isas) and kernel.available()
 
 
 def _bf16_bits(x) -> jax.Array:
@@ -234,7 +226,7 @@ def test_bad_shapes_are_refused_clearly():
     with pytest.raises(ValueError, match="unknown ISA"):
         decode_attention_cpu(q, pages, pages, table, lengths, **kwargs, isa="sse2")
     # The FFI handler checks too, for callers that bypass the wrapper.
-    target = _decode_attention.SYMBOLS["float32"] + _decode_attention.chosen_isa().suffix
+    target = _decode_attention.KERNEL.target(_decode_attention.SYMBOLS["float32"])
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     with pytest.raises(Exception, match="page_table"):
         call(q, pages, pages, table[:2], lengths, layer=np.int64(0), window=np.int64(0),

@@ -12,13 +12,14 @@ from jaxinfer.cpu_kernels.native_build import cache_dir, cpu_description
 
 def main() -> None:
     print(cpu_description())
-    for title, module, available in [
-        ("int8 matmul", "int8_matmul_vnni", "vnni_available"),
-        ("decode attention", "decode_attention", "decode_attention_available"),
+    for title, module in [
+        ("int8 matmul", "int8_matmul_vnni"),
+        ("int4 matmul", "int4_matmul"),
+        ("decode attention", "decode_attention"),
     ]:
-        kernel = importlib.import_module(f"jaxinfer.cpu_kernels.{module}")
+        kernel = importlib.import_module(f"jaxinfer.cpu_kernels.{module}").KERNEL
         isa = kernel.chosen_isa()
-        if getattr(kernel, available)():
+        if kernel.available():
             print(f"{title}: built, runs the {isa.name} variant")
         elif os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
             print(f"{title}: off (JAXINFER_NATIVE_KERNELS=0; XLA serves instead)")

@@ -11,63 +11,26 @@ of the pool and runs small YNNPACK dots. Lengths are data, not shapes: no attend
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cpu_kernels.native_build import ISAS, Isa, best_isa, cpu_supports, register_isa_kernels
+from jaxinfer.cpu_kernels.native_build import NativeKernel
 
 # The handlers per cache storage dtype; each ISA variant's is the symbol + isa.suffix.
 SYMBOLS = {"float32": "jaxinfer_decode_attention_f32", "uint16": "jaxinfer_decode_attention_bf16bits"}
-KERNEL_ISAS = ISAS  # the variants decode_attention.cc builds for, fastest first
 LANES = 16  # head_dim must be a multiple of this
-_SOURCE = Path(__file__).with_suffix(".cc")
+KERNEL = NativeKernel(
+    Path(__file__).with_suffix(".cc"), tuple(SYMBOLS.values()), "the CPU decode-attention kernel"
+)
 
 
-@functools.cache
-def _registered(isa: Isa) -> bool:
-    return register_isa_kernels(_SOURCE, isa, tuple(SYMBOLS.values()))
-
-
-@functools.cache
-def chosen_isa() -> Isa | None:
-    """The variant a call without `isa` runs: the fastest this CPU supports ($JAXINFER_CPU_ISA caps it)."""
-    return best_isa(KERNEL_ISAS)
-
-
-@functools.cache
 def decode_attention_available() -> bool:
-    """Whether this process can run the kernel: chosen_isa() exists (an x86-64 CPU with AVX2 + FMA or
-    AVX-512, JAXINFER_NATIVE_KERNELS not 0) and its variant builds (a C++ compiler). Builds and registers
-    it once."""
-    isa = chosen_isa()
-    return isa is not None and _registered(isa)
-
-
-def _variant(isa: str | None) -> Isa:
-    """The variant to call (registered), or a clear error where this process cannot run it."""
-    if isa is None:
-        chosen = chosen_isa()
-        if chosen is None or not decode_attention_available():
-            raise RuntimeError(
-                "the CPU decode-attention kernel needs an x86-64 CPU with AVX2 (or AVX-512) and a C++ "
-                "compiler (python -m jaxinfer.cpu_kernels says what this machine runs)"
-            )
-        return chosen
-    by_name = {variant.name: variant for variant in KERNEL_ISAS}
-    if isa not in by_name:
-        raise ValueError(f"unknown ISA {isa!r} for decode attention; choose one of {sorted(by_name)}")
-    if not cpu_supports(by_name[isa]):
-        raise RuntimeError(f"this CPU cannot run the {isa} variant of the decode-attention kernel")
-    if not _registered(by_name[isa]):
-        raise RuntimeError(
-            f"the {isa} variant of the decode-attention kernel did not build (no C++ compiler, or "
-            "JAXINFER_NATIVE_KERNELS=0; see the log)"
-        )
-    return by_name[isa]
+    """Whether this process runs the kernel (KERNEL.available(): an x86-64 CPU with AVX2 or AVX-512, a C++
+    compiler, JAXINFER_NATIVE_KERNELS not 0). Builds and registers it once."""
+    return KERNEL.available()
 
 
 def supports(cache_storage_dtype, head_dim: int) -> bool:
@@ -115,19 +78,17 @@ def decode_attention_cpu(
 ) -> jax.Array:
     """-> [rows, heads, d] float32; zeros for rows of length 0. Reads no page-table entry past a row's
     length, and no page slot past its last key; page ids are clamped into the pool. Lengths past
-    pages_per_row * page_size are clamped to it. Needs supports(k_pages.dtype, d). Runs chosen_isa()'s
-    variant (needs decode_attention_available()), or the variant named by `isa` ("avx512_vnni",
-    "avx2"), which this CPU must support."""
-    variant = _variant(isa)  # also registers the kernel, once per process and variant
+    pages_per_row * page_size are clamped to it. Needs supports(k_pages.dtype, d). Runs the chosen
+    variant (KERNEL.chosen_isa(); needs decode_attention_available()), or the one named by `isa`
+    ("avx512_vnni", "avx2"), which this CPU must support."""
+    target = KERNEL.target(SYMBOLS[jnp.dtype(k_pages.dtype).name], isa)  # registers it on first use
     _check_shapes(q, k_pages, v_pages, page_table, lengths, layer)
     if not supports(k_pages.dtype, q.shape[-1]):
         raise ValueError(
             f"the CPU decode-attention kernel reads float32 or uint16 (bfloat16 bits) pages with head_dim a "
             f"multiple of {LANES}; got {k_pages.dtype}, head_dim {q.shape[-1]}"
         )
-    call = jax.ffi.ffi_call(
-        SYMBOLS[jnp.dtype(k_pages.dtype).name] + variant.suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32)
-    )
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(
         q.astype(jnp.float32), k_pages, v_pages, page_table.astype(jnp.int32), lengths.astype(jnp.int32),
         layer=np.int64(layer), window=np.int64(sliding_window or 0), scale=np.float32(scale),

@@ -18,7 +18,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -45,22 +44,51 @@ struct Problem {
   int64_t m, n, k, groups, blocks_per_group;
 };
 
+// One block of 32 activations: int8 values at scale amax / 127 (round half to even, as the reference's
+// jnp.round), the scale, and the block's float sum.
+inline void QuantizeBlock(const float* src, int8_t* dst, float* scale, float* sum) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  const float s = amax == 0.0f ? 1.0f : amax / 127.0f;
+  const __m512 sv = _mm512_set1_ps(s);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(a, sv))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16),
+                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(b, sv))));
+#else
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4], m = _mm256_setzero_ps(), t = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(src + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    t = _mm256_add_ps(t, v[i]);
+  }
+  alignas(32) float lanes[8], sums[8];
+  _mm256_store_ps(lanes, m);
+  _mm256_store_ps(sums, t);
+  float amax = 0.0f, total = 0.0f;
+  for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]), total += sums[i];
+  *sum = total;
+  const float s = amax == 0.0f ? 1.0f : amax / 127.0f;
+  const __m256 sv = _mm256_set1_ps(s);
+  __m256i q[4];
+  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], sv));
+  // |x / s| <= 127, so the saturating packs are exact; they interleave 128-bit lanes, undone by the permute.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#endif
+  *scale = s;
+}
+
 // Per row: int8 values, one scale per block of 32, float sums per weight group.
 void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t group, int8_t* xq, float* xs, float* xsum) {
   const int64_t blocks = k / kBlockK;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
-      const float* src = x + r * k + b * kBlockK;
-      float amax = 0.0f, sum = 0.0f;
-      for (int i = 0; i < kBlockK; ++i) {
-        amax = std::max(amax, std::fabs(src[i]));
-        sum += src[i];
-      }
-      const float s = amax == 0.0f ? 1.0f : amax / 127.0f;
-      xs[r * blocks + b] = s;
-      int8_t* dst = xq + r * k + b * kBlockK;
-      for (int i = 0; i < kBlockK; ++i)
-        dst[i] = static_cast<int8_t>(std::max(-127.0f, std::min(127.0f, std::nearbyint(src[i] / s))));
+      float sum;
+      QuantizeBlock(x + r * k + b * kBlockK, xq + r * k + b * kBlockK, xs + r * blocks + b, &sum);
       xsum[r * (k / group) + b * kBlockK / group] += sum;
     }
   }

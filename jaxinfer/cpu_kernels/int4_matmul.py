@@ -14,13 +14,12 @@ the kernel's arithmetic in plain JAX.
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels.native_build import ISAS, Isa, best_isa, register_isa_kernels
+from jaxinfer.cpu_kernels.native_build import NativeKernel
 from jaxinfer.weight_formats import Int4Weight, PackedInt4Weight
 from pallas_kernels import quantize_int8
 
@@ -28,28 +27,13 @@ SYMBOL = "jaxinfer_int4_matmul"
 BLOCK_N = 16  # outputs per packed 64-byte vector
 CHUNK_K = 8  # inputs per packed 64-byte vector (two nibbles of four inputs per output)
 ACTIVATION_BLOCK = 32  # inputs per activation scale
-_SOURCE = Path(__file__).with_suffix(".cc")
-
-
-@functools.cache
-def _registered(isa: Isa) -> bool:
-    return register_isa_kernels(_SOURCE, isa, (SYMBOL,))
-
-
-def _isa(name: str | None) -> Isa | None:
-    if name is None:
-        return best_isa()
-    by_name = {isa.name: isa for isa in ISAS}
-    if name not in by_name:
-        raise ValueError(f"unknown ISA {name!r}; choose one of {sorted(by_name)}")
-    return by_name[name]
+KERNEL = NativeKernel(Path(__file__).with_suffix(".cc"), (SYMBOL,), "the native int4 kernel")
 
 
 def int4_matmul_available(isa: str | None = None) -> bool:
-    """Whether this process runs the kernel (the best ISA variant for this CPU, or `isa`): an x86-64 CPU
-    with AVX2 (or AVX-512 VNNI), a C++ compiler, JAXINFER_NATIVE_KERNELS not 0. Builds it once."""
-    chosen = _isa(isa)
-    return chosen is not None and _registered(chosen)
+    """Whether this process runs the kernel (the chosen variant, or `isa`'s): an x86-64 CPU with AVX2 or
+    AVX-512 VNNI, a C++ compiler, JAXINFER_NATIVE_KERNELS not 0. Builds and registers it once."""
+    return KERNEL.available(isa)
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -84,18 +68,12 @@ def unpack_int4(p: PackedInt4Weight) -> Int4Weight:
 
 
 def int4_matmul_cpu(x: jax.Array, w: PackedInt4Weight, *, isa: str | None = None) -> jax.Array:
-    """x [rows, in] float . w (pack_int4's form of [out, in]) -> [rows, out] float32."""
-    chosen = _isa(isa)
-    if chosen is None or not _registered(chosen):
-        raise RuntimeError(
-            f"the native int4 kernel ({isa or 'best ISA'}) needs an x86-64 CPU with AVX2 or AVX-512 VNNI "
-            "and a C++ compiler (python -m jaxinfer.cpu_kernels says what this machine runs)"
-        )
+    """x [rows, in] float . w (pack_int4's form of [out, in]) -> [rows, out] float32. Runs the chosen
+    variant (KERNEL.chosen_isa()), or the one named by `isa` ("avx512_vnni", "avx2")."""
+    target = KERNEL.target(SYMBOL, isa)  # registers it on first use
     if x.ndim != 2 or x.shape[1] != w.in_features:
         raise ValueError(f"x {x.shape} does not fit an int4 weight of shape {w.shape}")
-    call = jax.ffi.ffi_call(
-        SYMBOL + chosen.suffix, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
-    )
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x.astype(jnp.float32), w.packed, w.scale, w.minimum)
 
 

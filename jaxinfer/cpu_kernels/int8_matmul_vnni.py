@@ -15,13 +15,12 @@ so an outlier channel coarsens only its own block of 32 (llama.cpp quantises act
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels.native_build import ISAS, Isa, best_isa, cpu_supports, register_isa_kernels
+from jaxinfer.cpu_kernels.native_build import NativeKernel
 from pallas_kernels import quantize_int8
 
 SYMBOL = "jaxinfer_int8_matmul_vnni"  # the handler of each ISA variant: SYMBOL + isa.suffix
@@ -29,51 +28,13 @@ BLOCK_N = 16  # outputs per packed 64-byte weight vector
 BLOCK_K = 4  # input channels per vpdpbusd lane
 ACTIVATION_BLOCK = 32  # input channels per activation scale (as llama.cpp's Q8_0; 128 runs no faster)
 OFFSET = 128  # vpdpbusd takes unsigned weights: w + 128, corrected by 128 * sum(x_q) per block
-KERNEL_ISAS = ISAS  # the variants int8_matmul_vnni.cc builds for, fastest first
-_SOURCE = Path(__file__).with_suffix(".cc")
+KERNEL = NativeKernel(Path(__file__).with_suffix(".cc"), (SYMBOL,), "the native int8 kernel")
 
 
-@functools.cache
-def _registered(isa: Isa) -> bool:
-    return register_isa_kernels(_SOURCE, isa, (SYMBOL,))
-
-
-@functools.cache
-def chosen_isa() -> Isa | None:
-    """The variant a call without `isa` runs: the fastest this CPU supports ($JAXINFER_CPU_ISA caps it)."""
-    return best_isa(KERNEL_ISAS)
-
-
-@functools.cache
 def vnni_available() -> bool:
-    """Whether this process can run the kernel: chosen_isa() exists (an x86-64 CPU with AVX2 or AVX-512
-    VNNI, JAXINFER_NATIVE_KERNELS not 0) and its variant builds (a C++ compiler). Builds and registers it
-    once."""
-    isa = chosen_isa()
-    return isa is not None and _registered(isa)
-
-
-def _variant(isa: str | None) -> Isa:
-    """The variant to call (registered), or a clear error where this process cannot run it."""
-    if isa is None:
-        chosen = chosen_isa()
-        if chosen is None or not vnni_available():
-            raise RuntimeError(
-                "the native int8 kernel needs an x86-64 CPU with AVX2 or AVX-512 VNNI and a C++ compiler "
-                "(python -m jaxinfer.cpu_kernels says what this machine runs)"
-            )
-        return chosen
-    by_name = {variant.name: variant for variant in KERNEL_ISAS}
-    if isa not in by_name:
-        raise ValueError(f"unknown ISA {isa!r} for the int8 kernel; choose one of {sorted(by_name)}")
-    if not cpu_supports(by_name[isa]):
-        raise RuntimeError(f"this CPU cannot run the {isa} variant of the int8 kernel")
-    if not _registered(by_name[isa]):
-        raise RuntimeError(
-            f"the {isa} variant of the int8 kernel did not build (no C++ compiler, or "
-            "JAXINFER_NATIVE_KERNELS=0; see the log)"
-        )
-    return by_name[isa]
+    """Whether this process runs the kernel (KERNEL.available(): an x86-64 CPU with AVX2 or AVX-512 VNNI,
+    a C++ compiler, JAXINFER_NATIVE_KERNELS not 0). Builds and registers it once."""
+    return KERNEL.available()
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -103,13 +64,13 @@ def int8_matmul_vnni(
     x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
 ) -> jax.Array:
     """x [rows, in] float . int8 weight [out, in] (packed by pack_weight; scale float32 [out] per output
-    channel) -> [rows, out] float32. Runs chosen_isa()'s variant (needs vnni_available()), or the
-    variant named by `isa` ("avx512_vnni", "avx2"), which this CPU must support."""
-    variant = _variant(isa)  # also registers the kernel, once per process and variant
+    channel) -> [rows, out] float32. Runs the chosen variant (KERNEL.chosen_isa(); needs
+    vnni_available()), or the one named by `isa` ("avx512_vnni", "avx2"), which this CPU must support."""
+    target = KERNEL.target(SYMBOL, isa)  # registers it on first use
     rows, in_features = x.shape
     out_features = packed.shape[0] * BLOCK_N
     x_q, x_scale, x_comp = quantize_activations(x, in_features // ACTIVATION_BLOCK)
-    call = jax.ffi.ffi_call(SYMBOL + variant.suffix, jax.ShapeDtypeStruct((rows, out_features), jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, out_features), jnp.float32))
     return call(x_q, x_scale, x_comp, packed, scale.astype(jnp.float32))
 
 

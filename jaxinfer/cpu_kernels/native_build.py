@@ -4,12 +4,14 @@ Each library lands in jaxinfer/cpu_kernels/_build (or, where that is read-only, 
 $JAXINFER_CACHE_DIR/native, default ~/.cache/jaxinfer/native) under a name that hashes the source, the
 headers beside it, the compiler flags and jaxlib's FFI header, so an edited source or a new jaxlib
 builds afresh, and concurrent processes never see a half-written file (each is written aside, then
-renamed). `register_kernels` builds, loads and registers a kernel's FFI handlers."""
+renamed). `NativeKernel` is one source built per instruction set, its FFI handlers registered on first
+use and the variant to run chosen from the CPU's features."""
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -63,14 +65,15 @@ def build_library(source: Path, extra_flags: tuple[str, ...] = ()) -> Path | Non
     return target
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     """The instruction-set flags of this machine's CPU (Linux /proc/cpuinfo; empty elsewhere)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+    return frozenset(line.partition(":")[2].split())
 
 
 SIMD_FEATURES = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
@@ -148,19 +151,51 @@ def register_isa_kernels(source: Path, isa: Isa, symbols: tuple[str, ...]) -> bo
     return True
 
 
-def register_kernels(source: Path, cpu_features: tuple[str, ...], targets: tuple[str, ...]) -> bool:
-    """Builds `source` for an x86-64 CPU with `cpu_features` (e.g. "avx512_vnni", compiled with
-    -mavx512vnni) and registers each FFI handler symbol in `targets` as an XLA:CPU custom call of the
-    same name. False (nothing registered) where the CPU lacks a feature, no compiler is found, or
-    JAXINFER_NATIVE_KERNELS=0."""
-    if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
-        return False
-    if platform.machine() not in ("x86_64", "AMD64") or not set(cpu_features) <= cpu_flags():
-        return False
-    library = build_library(source, tuple(f"-m{feature.replace('_', '')}" for feature in cpu_features))
-    if library is None:
-        return False
-    handlers = ctypes.cdll.LoadLibrary(str(library))
-    for target in targets:
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handlers, target)), platform="cpu")
-    return True
+class NativeKernel:
+    """One C++ source, built once per ISA it supports (fastest first) and registered on first use.
+
+    `target(symbol)` names the custom call of the variant to run: the fastest this CPU supports (capped by
+    $JAXINFER_CPU_ISA), or the one named by `isa` (tests run every variant the CPU can)."""
+
+    def __init__(self, source: Path, symbols: tuple[str, ...], title: str, isas: tuple[Isa, ...] = ISAS):
+        self.source, self.symbols, self.title, self.isas = source, symbols, title, isas
+        self._built: dict[str, bool] = {}
+
+    def chosen_isa(self) -> Isa | None:
+        return best_isa(self.isas)
+
+    def registered(self, isa: Isa) -> bool:
+        """Builds and registers `isa`'s variant once per process; False where that is impossible."""
+        if isa.name not in self._built:
+            self._built[isa.name] = register_isa_kernels(self.source, isa, self.symbols)
+        return self._built[isa.name]
+
+    def available(self, isa: str | None = None) -> bool:
+        """Whether this process runs the chosen (or the named) variant: an x86-64 CPU with its ISA, a C++
+        compiler, JAXINFER_NATIVE_KERNELS not 0."""
+        chosen = self.chosen_isa() if isa is None else self._by_name(isa)
+        return chosen is not None and cpu_supports(chosen) and self.registered(chosen)
+
+    def target(self, symbol: str, isa: str | None = None) -> str:
+        """The registered custom-call name of `symbol` in the chosen (or named) variant; a clear error
+        where this process cannot run it."""
+        chosen = self.chosen_isa() if isa is None else self._by_name(isa)
+        if chosen is None:
+            raise RuntimeError(
+                f"{self.title} needs an x86-64 CPU with AVX2 or AVX-512 and a C++ compiler "
+                "(python -m jaxinfer.cpu_kernels says what this machine runs)"
+            )
+        if not cpu_supports(chosen):
+            raise RuntimeError(f"this CPU cannot run the {chosen.name} variant of {self.title}")
+        if not self.registered(chosen):
+            raise RuntimeError(
+                f"the {chosen.name} variant of {self.title} did not build (no C++ compiler, or "
+                "JAXINFER_NATIVE_KERNELS=0; see the log)"
+            )
+        return symbol + chosen.suffix
+
+    def _by_name(self, name: str) -> Isa:
+        by_name = {isa.name: isa for isa in self.isas}
+        if name not in by_name:
+            raise ValueError(f"unknown ISA {name!r} for {self.title}; choose one of {sorted(by_name)}")
+        return by_name[name]

@@ -184,9 +184,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.prefix_caching,
     )  # fmt: skip
     wall = time.perf_counter() - start
+    weights = {"quantization": runtime.model_info()["quantization"], **runtime.weight_memory()}
     for text, r in zip(args.prompt, results):
         if args.output == "json":
-            print(json.dumps({"prompt": text, **r.to_json()}, ensure_ascii=False))
+            print(json.dumps({"prompt": text, **r.to_json(), "weights": weights}, ensure_ascii=False))
         elif stream:
             print()
         else:

@@ -62,14 +62,14 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
 
 def _int8_linear(x2: jax.Array, w: Int8Weight, kernels: KernelConfig) -> jax.Array:
     """x2 [rows, in] . Int8Weight -> [rows, out]."""
-    q, scale = w.q, w.scale
-    rows = x2.shape[0]
+    rows, scale = x2.shape[0], w.scale
+    if kernels.matmul == "native" and w.vnni is not None and (rows > 1 or w.q is None):
+        return int8_matmul_vnni(x2, w.vnni, scale)
+    q = w.q if w.q is not None else w.rows(jnp.arange(w.shape[0]))  # only the packed form is held
     if kernels.matmul == "pallas":
         return int8_matmul(x2, q, scale, interpret=kernels.interpret)
     if rows > 1 and kernels.int8_activations:
         return _int8_activation_linear(x2, q, scale)
-    if kernels.matmul == "native" and w.vnni is not None and rows > 1:
-        return int8_matmul_vnni(x2, w.vnni, scale)
     if rows <= ROWS_AS_VECTORS:
         # One matrix-vector product per row: XLA fuses the int8 -> float conversion into each (memory bound).
         return jnp.concatenate([_weight_only(x2[i : i + 1], q, scale) for i in range(rows)])
@@ -119,7 +119,7 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
     """Rows of the embedding table [vocab, hidden] (float, Int8Weight or Int4Weight) for tokens [...]
     -> [..., hidden]: only the looked-up rows are dequantised."""
     if isinstance(table, Int8Weight):
-        rows = jnp.take(table.q, tokens, axis=0).astype(jnp.float32)
+        rows = table.rows(tokens).astype(jnp.float32)
         return (rows * jnp.take(table.scale, tokens, axis=0)[..., None]).astype(dtype)
     if isinstance(table, Int4Weight):
         flat = tokens.reshape(-1)

@@ -116,17 +116,21 @@ def add_bf16_copies(params: Params) -> Params:
 _pack_vnni = jax.jit(pack_weight)
 
 
-def add_vnni_weights(params: Params) -> Params:
+def add_vnni_weights(params: Params, keep_int8: bool = True) -> Params:
     """Adds `vnni`, the weight packed for the CPU VNNI kernel (cpu_kernels.int8_matmul_vnni), to every
     Int8Weight whose shape that kernel takes, and a bf16 copy to the others: the forms that serve
     products of several rows with KernelConfig(matmul="native"). Packing reorders the int8 bytes, so the
-    weights take twice the int8 model's memory (the bf16 copies took three times)."""
+    weights take twice the int8 model's memory (the bf16 copies took three times).
+
+    keep_int8=False drops q where `vnni` exists: the kernel then serves one row too and embedding rows
+    are read from the packed bytes. An int4 model's int8 tables do this: at one row every other product
+    is a native kernel already, and the tables are most of its bytes (Gemma 3's 262k x 640 embedding)."""
 
     def add(path, name: str, w):
         if not isinstance(w, Int8Weight) or w.vnni is not None:
             return w
         if supports_vnni(*w.shape):
-            return Int8Weight(w.q, w.scale, _pack_vnni(w.q), w.bf16)
+            return Int8Weight(w.q if keep_int8 else None, w.scale, _pack_vnni(w.q), w.bf16)
         return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w)) if w.bf16 is None else w
 
     return map_weights(params, add)

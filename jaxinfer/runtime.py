@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import shutil
 import time
@@ -19,6 +20,7 @@ from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kv_cache import bytes_per_page
 from jaxinfer.loading import LoadedModel, ModelLoadError, load_gguf, load_model
+from jaxinfer.loading.common import expected_leaf_shapes
 from jaxinfer.loading.gguf_loader import open_gguf
 from jaxinfer.loading.orbax_checkpoint import MODEL_FILE
 from jaxinfer.loading.sampling_defaults import sampling_defaults
@@ -103,7 +105,14 @@ class Runtime:
             "mesh": dict(self.engine.mesh.shape),
             "dtype": default_dtype(self.options.dtype),
             "quantization": quantization_of(self.model.params),
+            **self.weight_memory(),
         }
+
+    def weight_memory(self) -> dict[str, int]:
+        """Bytes the engine's weights hold (every array, kernel layouts included) and the float32 bytes
+        of the same parameters."""
+        parameters = sum(math.prod(shape) for shape in expected_leaf_shapes(self.config).values())
+        return {"weight_bytes": weight_bytes(self.engine.params), "float32_weight_bytes": 4 * parameters}
 
 
 def default_dtype(dtype: str | None) -> str:
@@ -261,11 +270,13 @@ def _cache_config(options: RuntimeOptions, config: ModelConfig, dtype: str) -> C
 
 def add_kernel_forms(params, kernels: KernelConfig):
     """The quantised weights in the forms the chosen kernels read: on CPU with native kernels, int8
-    weights gain their VNNI packing and int4 weights take the int4 kernel's layout; with XLA matmuls,
-    int8 weights gain bf16 copies for several rows (quantization.py)."""
+    weights gain their VNNI packing and int4 weights take the int4 kernel's layout (an int4 model's int8
+    tables then keep only their packed form); with XLA matmuls, int8 weights gain bf16 copies for
+    several rows (quantization.py)."""
     if kernels.matmul == "native":
+        int4 = quantization_of(params) == "int4"
         params = pack_int4_weights(params)
-        return params if kernels.int8_activations else add_vnni_weights(params)
+        return params if kernels.int8_activations else add_vnni_weights(params, keep_int8=not int4)
     if kernels.matmul == "xla" and not kernels.int8_activations:
         return add_bf16_copies(params)
     return params

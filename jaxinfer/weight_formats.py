@@ -40,7 +40,8 @@ class Int8Weight:
     """Symmetric int8 with one scale per output channel (per vocabulary row for the embedding table, so
     the same scales serve the lookup and the tied logits projection).
 
-    q: int8 [out, in]; scale: float32 [out].
+    q: int8 [out, in], or None where `vnni` alone holds the values (quantization.add_vnni_weights with
+        keep_int8=False); scale: float32 [out].
     vnni: the same bytes packed for the CPU VNNI kernel (cpu_kernels.pack_weight), uint8
         [out/16, in/4, 16, 4], or None.
     bf16: the dequantised weight in bfloat16 [out, in] for products of several rows on XLA:CPU, or None.
@@ -53,10 +54,22 @@ class Int8Weight:
 
     @property
     def shape(self) -> tuple[int, int]:
+        if self.q is None:
+            blocks, quads, lanes, four = self.vnni.shape
+            return (blocks * lanes, quads * four)
         return tuple(self.q.shape)
 
+    def rows(self, index: jax.Array) -> jax.Array:
+        """int8 rows q[index] [..., in], read from q or, without it, from the VNNI layout."""
+        if self.q is not None:
+            return jnp.take(self.q, index, axis=0)
+        lanes = self.vnni.shape[2]
+        picked = self.vnni[index // lanes, :, index % lanes, :]  # [..., in/4, 4] of q + 128
+        return (picked.reshape(*index.shape, -1).astype(jnp.int16) - 128).astype(jnp.int8)
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        return (self.q.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
+        q = self.q if self.q is not None else self.rows(jnp.arange(self.shape[0]))
+        return (q.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
 
 
 @functools.partial(

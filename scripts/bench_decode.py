@@ -61,7 +61,7 @@ def step_weight_bytes(params, rows: int) -> int:
         if isinstance(w, Int8Weight):
             if rows > ROWS_AS_VECTORS and w.bf16 is not None:
                 return w.bf16.nbytes
-            return w.q.nbytes + w.scale.nbytes
+            return (w.q if w.q is not None else w.vnni).nbytes + w.scale.nbytes
         return sum(a.nbytes for a in jax.tree.leaves(w))
 
     top = [w for k, w in params.items() if k != "layers"]

@@ -34,6 +34,7 @@ from jaxinfer.quantization import (
     quantize_params,
     weight_bytes,
 )
+from jaxinfer.runtime import add_kernel_forms
 from jaxinfer.weight_formats import (
     Int4Weight,
     Int8Weight,
@@ -249,3 +250,21 @@ def test_optax_calibrated_clipping_lowers_each_layers_output_error():
     rtn = quantize_params(jax.tree.map(jnp.copy, params), "int4")["layers"][layer][name]
     calibrated = quantize_params(copy, "int4", clips=clips)["layers"][layer][name]
     np.testing.assert_allclose(np.asarray(calibrated.scale), np.asarray(rtn.scale * clip), rtol=1e-4)
+
+
+def test_an_int4_models_tables_keep_only_their_packed_int8_form():
+    if not NATIVE_POSSIBLE:
+        pytest.skip("needs an x86-64 CPU with AVX2 and g++")
+    config = dataclasses.replace(LLAMA, vocab_size=112)
+    params = quantize_params(random_params(config, seed=5), "int4")
+    table = params["embed"].dequantize()
+    native = add_kernel_forms(fuse_projections(params), KernelConfig(matmul="native"))
+    packed = native["embed"]
+    assert packed.q is None and packed.vnni is not None and packed.shape == (112, config.hidden_size)
+    tokens = jnp.array([[0, 5, 111], [7, 7, 64]])
+    # Embedding rows come out of the packed bytes; the logits product runs through the kernel at one row.
+    np.testing.assert_array_equal(np.asarray(embed(packed, tokens, jnp.float32)), np.asarray(table[tokens]))
+    np.testing.assert_array_equal(np.asarray(packed.dequantize()), np.asarray(table))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(1, config.hidden_size)), jnp.float32)
+    assert _rel(linear(x, packed, KernelConfig(matmul="native")), x @ table.T) < 2e-2
+    assert _rel(linear(x, packed, KernelConfig()), x @ table.T) < 1e-5  # XLA reads the unpacked bytes

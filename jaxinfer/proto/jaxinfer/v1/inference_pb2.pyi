@@ -171,7 +171,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "num_slots", "mesh", "dtype", "quantization", "page_size", "num_kv_pages", "kv_cache_dtype", "prefix_caching", "sampling_defaults", "sampling_defaults_source")
+    __slots__ = ("model_name", "architecture", "context_length", "vocab_size", "num_slots", "mesh", "dtype", "quantization", "page_size", "num_kv_pages", "kv_cache_dtype", "prefix_caching", "sampling_defaults", "sampling_defaults_source", "weight_bytes", "float32_weight_bytes")
     class MeshEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,8 @@ class ModelInfo(_message.Message):
     PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_DEFAULTS_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FLOAT32_WEIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     architecture: str
     context_length: int
@@ -214,4 +216,6 @@ class ModelInfo(_message.Message):
     prefix_caching: bool
     sampling_defaults: _containers.ScalarMap[str, float]
     sampling_defaults_source: str
-    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ..., sampling_defaults_source: _Optional[str] = ...) -> None: ...
+    weight_bytes: int
+    float32_weight_bytes: int
+    def __init__(self, model_name: _Optional[str] = ..., architecture: _Optional[str] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., num_slots: _Optional[int] = ..., mesh: _Optional[_Mapping[str, int]] = ..., dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., page_size: _Optional[int] = ..., num_kv_pages: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., prefix_caching: _Optional[bool] = ..., sampling_defaults: _Optional[_Mapping[str, float]] = ..., sampling_defaults_source: _Optional[str] = ..., weight_bytes: _Optional[int] = ..., float32_weight_bytes: _Optional[int] = ...) -> None: ...

@@ -64,23 +64,24 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
     p.add_argument(
         "--quantize", default="auto", choices=["auto", *QUANTIZATION_MODES],
-        help="weight quantisation; int4 repacks a GGUF file's 4-bit blocks as they are; "
-        "auto: int8 on CPU (faster there, 92-96%% greedy agreement), else none",
+        help="weight quantisation; int4 repacks a GGUF file's 4-bit blocks as they are (its other tensors "
+        "int8); auto on CPU: int4 for GGUF files where the native int4 kernel runs, else int8; else none",
     )  # fmt: skip
     p.add_argument(
         "--weights-cache", default=None,
-        help="folder for int8 weights converted from GGUF files (default ~/.cache/jaxinfer/weights, '' off)",
+        help="folder for quantised weights converted from GGUF files (default ~/.cache/jaxinfer/weights, "
+        "'' off)",
     )  # fmt: skip
     p.add_argument(
         "--int8-activations", action="store_true",
         help="with int8 weights, quantise activations at several rows too through XLA (int8 x int8 dots "
-        "with the 8 largest channels in float): for CPUs without AVX-512 VNNI, where the default is a bf16 "
-        "weight copy for several rows",
+        "with the 8 largest channels in float), instead of the native kernel (or, without it, a bf16 "
+        "weight copy for several rows)",
     )  # fmt: skip
     p.add_argument(
         "--attention-impl", default="auto", choices=["auto", "xla", "pallas", "native"],
         help="auto: Pallas kernels on TPU/GPU; on CPU the native C++ decode kernel where the CPU has "
-        "AVX-512 (JAXINFER_NATIVE_KERNELS=0 turns both native kernels off), else XLA",
+        "AVX2 or AVX-512 (JAXINFER_NATIVE_KERNELS=0 turns the native kernels off), else XLA",
     )  # fmt: skip
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
 

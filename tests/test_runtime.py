@@ -11,15 +11,17 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import KernelConfig
-from jaxinfer.cpu_kernels import decode_attention_available
+from jaxinfer.cpu_kernels import decode_attention_available, int4_matmul_available
 from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.loading import load_model
 from jaxinfer.quantization import quantization_of
 from jaxinfer.runtime import RuntimeOptions, build_runtime, default_cache_dtype, resolve_quantize
 
 
-def test_auto_quantisation_is_int8_on_cpu_only():
+def test_auto_quantisation_is_int4_for_gguf_and_int8_otherwise_on_cpu_only():
     assert resolve_quantize("auto", "cpu") == "int8"
+    assert resolve_quantize("auto", "cpu", "gguf") == ("int4" if int4_matmul_available() else "int8")
+    assert resolve_quantize("auto", "gpu", "gguf") == "none"
     assert resolve_quantize("auto", "gpu") == "none" and resolve_quantize("auto", "tpu") == "none"
     assert resolve_quantize("none", "cpu") == "none" and resolve_quantize("int8", "tpu") == "int8"
 

@@ -93,15 +93,16 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Which implementation runs attention and int8 matmuls (static: a change recompiles).
+    """Which implementation runs attention and quantised matmuls (static: a change recompiles).
 
     attention: "xla" (plain JAX over pages gathered through the page table, the reference path),
         "pallas" (pallas_kernels.paged_attention: prefill and decode attention reading the pages in
-        the kernel) or "native" (jaxinfer.cpu_kernels' C++ paged decode attention, AVX-512F, a float32
+        the kernel) or "native" (jaxinfer.cpu_kernels' C++ paged decode attention, AVX-512 or AVX2, a float32
         or bfloat16 cache; prefill stays XLA).
-    matmul: "xla", "pallas" (the int8 weight kernel) or "native" (jaxinfer.cpu_kernels' C++ AVX-512 VNNI
-        kernel for products of two or more rows of int8 weights; the weights need their packed form,
-        quantization.add_vnni_weights). Float weights always use XLA.
+    matmul: "xla", "pallas" (the int8 and int4 weight kernels) or "native" (jaxinfer.cpu_kernels' C++
+        kernels, AVX-512 VNNI or AVX2: int8 weights at two or more rows and int4 weights at every row
+        count; the weights need their packed forms, runtime.add_kernel_forms). Float weights always
+        use XLA.
     int8_activations: for int8 weights at more than one row, quantise activations per row to int8 and
         run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there;
         without this flag, the native VNNI kernel or a bf16 weight copy serves several rows there).
@@ -128,7 +129,7 @@ class KernelConfig:
         native_cpu = single_device and backend == "cpu"
         if attention == "native" and not (native_cpu and decode_attention_available()):
             raise ValueError(
-                "attention 'native' needs one CPU device with AVX-512 and a C++ compiler "
+                "attention 'native' needs one CPU device with AVX2 or AVX-512 and a C++ compiler "
                 "(python -m jaxinfer.cpu_kernels says what this machine runs)"
             )
         if attention == "auto":

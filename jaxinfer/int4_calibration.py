@@ -110,6 +110,9 @@ def calibrate_int4(
     def step(logits, state, layer, x, target, *, index, groups):
         error = functools.partial(_fit_error, config=config, index=index, groups=groups, **context)
         loss, grads = jax.value_and_grad(error)(logits, layer, x, target)
+        # A group whose range is (nearly) a single value divides by a vanishing step: its gradient is not
+        # finite and stays out of the update.
+        grads = jax.tree.map(lambda g: jnp.where(jnp.isfinite(g), g, 0.0), grads)
         updates, state = optimizer.update(grads, state)
         return optax.apply_updates(logits, updates), state, loss
 

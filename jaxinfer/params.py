@@ -29,6 +29,8 @@ Conventions every loader follows:
   * Q/K rows use the half-split RoPE layout (Hugging Face's `rotate_half`); GGUF Llama files store
     adjacent-pair rows and the GGUF loader un-permutes them.
   * Norm weights are the effective multiplier: Gemma's `(1 + w)` is folded in at load time.
+  * A linear weight or table may be quantised: a weight_formats type (Int8Weight, Int4Weight, ...)
+    standing for the [out, in] array above (quantization.py says which leaves).
 """
 
 from __future__ import annotations

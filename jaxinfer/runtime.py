@@ -29,6 +29,8 @@ from jaxinfer.params import fuse_projections
 from jaxinfer.quantization import (
     add_bf16_copies,
     add_vnni_weights,
+    all_linear_int4,
+    dequantize_int4,
     pack_int4_weights,
     quantization_of,
     quantize_params,
@@ -175,8 +177,8 @@ def parse_memory_size(text: str) -> int:
 
 
 def resolve_quantize(quantize: str, backend: str, kind: str = "hf") -> str:
-    """`auto` on CPU: int4 for a GGUF file where the native int4 kernel runs, else int8; elsewhere the
-    float weights stay.
+    """`auto` on CPU: int4 for a GGUF file where the native int4 kernel runs (build_runtime takes a file
+    that mixes 4-bit with wider blocks to int8 after all), else int8; elsewhere the float weights stay.
 
     int4 from GGUF repacks the file's 4-bit blocks as they are (its other tensors go to int8), so it is
     closer to the file than int8, which requantises those blocks, and faster (SmolLM2 one stream 160 vs
@@ -299,7 +301,9 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     placement = param_placement(mesh)
     kind, path = resolve_model(options.model)
     quantize = resolve_quantize(options.quantize, jax.default_backend(), kind)
-    entry = _weights_cache_entry(options, Path(path), quantize, dtype) if kind == "gguf" else None
+    # `auto` keys its own entry: what it resolves to depends on the file's contents (below).
+    cache_key = "auto" if options.quantize == "auto" else quantize
+    entry = _weights_cache_entry(options, Path(path), cache_key, dtype) if kind == "gguf" else None
     cached = _load_converted(entry, dtype, placement) if entry is not None else None
     reader = None
     if cached is not None:
@@ -315,9 +319,15 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
             tokenizer = load_tokenizer(loaded)
         if quantize != "none":  # leaves already quantised (a GGUF file's 4-bit blocks) are kept
             before = weight_bytes(loaded.params)
+            params = loaded.params
+            if options.quantize == "auto" and quantize == "int4" and not all_linear_int4(params):
+                # A file mixing 4-bit with wider blocks: its projections cannot fuse across formats and
+                # the extra kernel calls cost more at one stream than 4 bits save (Gemma 3 Q4_K_M: ~100
+                # vs ~113 tok/s), so auto takes it to int8 like a float checkpoint.
+                quantize, params = "int8", dequantize_int4(params)
             # A GGUF file's tensors stored above 4 bits (Q5_0, Q6_K, Q8_0) keep most of that as int8.
             mode = "int8" if kind == "gguf" else quantize
-            loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, mode))
+            loaded = dataclasses.replace(loaded, params=quantize_params(params, mode))
             log.info("%s weights: %.1f MiB -> %.1f MiB", quantize, before / 2**20,
                      weight_bytes(loaded.params) / 2**20)  # fmt: skip
             if entry is not None:

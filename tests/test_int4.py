@@ -28,6 +28,8 @@ from jaxinfer.kernel_dispatch import embed, linear
 from jaxinfer.loading.gguf_loader import int4_blocks
 from jaxinfer.params import check_params, fuse_projections, random_params
 from jaxinfer.quantization import (
+    all_linear_int4,
+    dequantize_int4,
     map_weights,
     pack_int4_weights,
     quantization_of,
@@ -42,6 +44,7 @@ from jaxinfer.weight_formats import (
     dequantize,
     is_quantized,
     quantize_int4,
+    quantize_int8,
 )
 from tests.test_engine import LLAMA
 
@@ -268,3 +271,14 @@ def test_an_int4_models_tables_keep_only_their_packed_int8_form():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(1, config.hidden_size)), jnp.float32)
     assert _rel(linear(x, packed, KernelConfig(matmul="native")), x @ table.T) < 2e-2
     assert _rel(linear(x, packed, KernelConfig()), x @ table.T) < 1e-5  # XLA reads the unpacked bytes
+
+
+def test_a_mixed_file_goes_back_to_the_values_its_int4_blocks_stand_for():
+    params = quantize_params(random_params(LLAMA, seed=6), "int4")
+    assert all_linear_int4(params)
+    mixed = {**params, "layers": [{**params["layers"][0], "v_proj": quantize_int8(jnp.ones((32, 64)))}]}
+    assert not all_linear_int4(mixed)
+    back = dequantize_int4(params)
+    down = params["layers"][1]["down_proj"]
+    np.testing.assert_array_equal(np.asarray(back["layers"][1]["down_proj"]), np.asarray(down.dequantize()))
+    assert isinstance(back["embed"], Int8Weight)  # other formats stay as they are

@@ -86,6 +86,9 @@ void Tile(const Problem& p, int64_t m0, int64_t n0) {
 // updated once per block of 32 inputs, may live in L1).
 constexpr int kRows = 4;
 constexpr int kBlocks = 2;
+// Fewer rows than a row tile (an int4 model's logits at one row, through this kernel): four blocks keep
+// more independent accumulator chains in flight while the weights stream from memory.
+constexpr int kBlocksFewRows = 4;
 
 #else  // AVX2
 
@@ -134,6 +137,7 @@ void Tile(const Problem& p, int64_t m0, int64_t n0) {
 // the 16 ymm registers (the float32 block totals, updated once per block of 32 inputs, may live in L1).
 constexpr int kRows = 4;
 constexpr int kBlocks = 1;
+constexpr int kBlocksFewRows = 1;
 
 #endif
 
@@ -154,6 +158,8 @@ void Rows(const Problem& p, int64_t n0) {
 // every row group passes over them.
 void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
   int64_t n = n_begin;
+  if (p.m < kRows)
+    for (; n + kBlocksFewRows * kBlockN <= n_end; n += kBlocksFewRows * kBlockN) Rows<kBlocksFewRows>(p, n);
   for (; n + kBlocks * kBlockN <= n_end; n += kBlocks * kBlockN) Rows<kBlocks>(p, n);
   for (; n < n_end; n += kBlockN) Rows<1>(p, n);
 }

@@ -213,22 +213,40 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from jaxinfer.loading import load_model, save_checkpoint
+    from jaxinfer.loading import load_gguf, load_model, save_checkpoint
     from jaxinfer.loading.sampling_defaults import sampling_defaults
     from jaxinfer.quantization import quantize_params, weight_bytes
     from jaxinfer.runtime import load_tokenizer
 
     loaded = load_model(args.model, dtype=args.dtype or "float32")
+    tokenizer = load_tokenizer(loaded)
     out = os.path.abspath(args.output)
     before = weight_bytes(loaded.params)
-    params = quantize_params(loaded.params, args.quantize)
+    clips, how = None, ""
+    if args.quantize == "int4" and loaded.kind == "gguf":
+        # The file's own 4-bit blocks, repacked; its wider tensors int8 (as the runtime loads it).
+        blocks = load_gguf(loaded.path, dtype=args.dtype or "float32", int4=True)
+        params = quantize_params(blocks.params, "int8")
+        how = ", the GGUF file's 4-bit blocks as they are"
+    else:
+        if args.quantize == "int4" and args.calibration_steps > 0:
+            from jaxinfer.int4_calibration import CALIBRATION_TEXT, calibrate_int4
+
+            tokens = tokenizer.encode(CALIBRATION_TEXT)
+            clips, fits = calibrate_int4(
+                loaded.params, loaded.config, tokens, group_size=args.group_size, steps=args.calibration_steps
+            )
+            gain = sum(f.rtn_error for f in fits) / max(sum(f.calibrated_error for f in fits), 1e-30)
+            how = f", clipping calibrated with optax (layer output error {gain:.2f}x below round-to-nearest)"
+        params = quantize_params(loaded.params, args.quantize, group_size=args.group_size, clips=clips)
     defaults = sampling_defaults(args.model, loaded.kind, loaded.path)
     extra = {"source": str(loaded.path), "kind": loaded.kind, "sampling_defaults": defaults.to_json()}
     save_checkpoint(out, loaded.config, params, extra=extra)
-    load_tokenizer(loaded).save(os.path.join(out, "tokenizer"))
+    tokenizer.save(os.path.join(out, "tokenizer"))
     print(
         f"wrote {loaded.config.arch} checkpoint ({loaded.config.num_layers} layers, weights "
-        f"{args.quantize}: {before / 2**20:.1f} MiB -> {weight_bytes(params) / 2**20:.1f} MiB) to {out}"
+        f"{args.quantize}{how}: {before / 2**20:.1f} MiB -> {weight_bytes(params) / 2**20:.1f} MiB) "
+        f"to {out}"
     )
     return 0
 
@@ -382,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--quantize", default="none", choices=QUANTIZATION_MODES, help="store int8 or int4 weights"
     )
+    c.add_argument("--group-size", type=int, default=32, choices=[32, 128], help="int4 inputs per scale")
+    c.add_argument(
+        "--calibration-steps", type=int, default=80,
+        help="int4 from float weights: Adam steps per layer fitting the clipping ranges (0: nearest)",
+    )  # fmt: skip
     c.add_argument("output")
     c.set_defaults(func=cmd_convert)
     return parser

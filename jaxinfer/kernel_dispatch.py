@@ -4,7 +4,8 @@ All choices are made at trace time from static facts (KernelConfig, the number o
 type), so the compiled step contains exactly one form of each operation.
 
 A linear weight is a float array [out, in] or one of weight_formats' types (Int8Weight, Int4Weight,
-PackedInt4Weight); the type chooses the kernel family, KernelConfig and the row count the member.
+PackedInt4Weight): the weight's type picks the family of kernels, KernelConfig and the number of rows
+pick among them.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     conversion under dot_general runs ~50x slower. At several rows that int8 form collapses (0.7 GB/s of
     weights against ~28 at one row); the native VNNI kernel (from 2 rows, quantization.add_vnni_weights),
     a bf16 copy (quantization.add_bf16_copies, past ROWS_AS_VECTORS rows) or int8 activations take over.
+    4-bit weights have no fast XLA form on CPU: the native int4 kernel serves every row count there
+    (PackedInt4Weight), the Pallas kernel on TPU/GPU.
     """
     if isinstance(w, Int8Weight):
         y = _int8_linear(x.reshape(-1, x.shape[-1]), w, kernels)
@@ -76,6 +79,19 @@ def _int8_linear(x2: jax.Array, w: Int8Weight, kernels: KernelConfig) -> jax.Arr
     if w.bf16 is not None:
         return _dot_nt(x2.astype(jnp.bfloat16), w.bf16, out_type=jnp.float32)
     return _weight_only(x2, q, scale)  # the slow form at several rows, for lack of a bf16 copy
+
+
+def weight_read_bytes(w, rows: int, kernels: KernelConfig) -> int:
+    """Bytes `linear` reads from w for a product of `rows` rows: the form _int8_linear picks for an
+    Int8Weight, every array of the other formats (for decode-step rooflines in the benchmarks)."""
+    if isinstance(w, Int8Weight):
+        if kernels.matmul == "native" and w.vnni is not None and (rows > 1 or w.q is None):
+            return w.vnni.nbytes + w.scale.nbytes
+        bf16_rows = kernels.matmul != "pallas" and not kernels.int8_activations and rows > ROWS_AS_VECTORS
+        if bf16_rows and w.bf16 is not None:
+            return w.bf16.nbytes
+        return (w.q if w.q is not None else w.vnni).nbytes + w.scale.nbytes
+    return sum(a.nbytes for a in jax.tree.leaves(w))
 
 
 def _int4_linear(x2: jax.Array, w: Int4Weight, kernels: KernelConfig) -> jax.Array:

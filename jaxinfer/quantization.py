@@ -3,14 +3,14 @@
 The formats themselves are weight_formats' types. `quantize_params(params, mode)`:
   int8: every linear weight [out, in] and the embedding table [vocab, hidden] become Int8Weight.
   int4: the linear weights of every layer become Int4Weight (groups of 32 inputs, round-to-nearest or
-        with calibrated clipping ranges, see calibrate_int4); the embedding table and an untied lm_head
-        become Int8Weight, as llama.cpp's 4-bit files keep them at 6-8 bits: they are a small share of
-        a large model's bytes and the logits are sensitive to them.
+        with clipping ranges from int4_calibration.calibrate_int4); the embedding table and an untied
+        lm_head become Int8Weight, as llama.cpp's 4-bit files keep them at 6-8 bits: they are a small
+        share of a large model's bytes and the logits are sensitive to them.
 Norms stay float. Leaves already quantised (a GGUF file's own 4-bit blocks, loading/gguf_loader.py) are
 kept. Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
 memory stays near one float copy.
 
-Kernel forms, added after quantisation for the backend that runs them (runtime.build_runtime):
+Kernel forms, added after quantisation for the backend that runs them (runtime.add_kernel_forms):
 `add_vnni_weights` gives each Int8Weight the same bytes packed for the native VNNI kernel, which serves
 products of two or more rows on x86 CPUs (cpu_kernels/int8_matmul_vnni.py). Without it,
 `add_bf16_copies` gives each Int8Weight a "bf16" copy for products of more than a few rows on XLA:CPU

@@ -8,6 +8,7 @@ cannot carry an accumulator from one grid step to the next.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -136,3 +137,32 @@ def export_for_platform(fn, platform: str, *args):
     finally:
         default_backend = saved
         jax.clear_caches()
+
+
+# Decode has 1-8 rows; pad them to one block of at least this many (TPU sublanes: 8, Triton tl.dot: 16).
+MIN_BLOCK_M = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulBlockSizes:
+    """Output tile [block_m, block_n] and contraction step block_k (powers of two, block_k in weights) of
+    the weight matmuls (int8_matmul, int4_matmul). int8 with per-group scales steps one group at a time;
+    int4 needs block_k a multiple of its group, which the default is (k is a multiple of the group, a
+    power of two <= 512)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 512
+
+    def __post_init__(self):
+        check_block("block_m", self.block_m)
+        check_block("block_n", self.block_n)
+        check_block("block_k", self.block_k)
+
+    @classmethod
+    def get_default(cls, m: int, n: int, k: int) -> MatmulBlockSizes:
+        return cls(
+            block_m=min(128, max(MIN_BLOCK_M, pl.next_power_of_2(m))),
+            block_n=largest_divisor_block(n, preferred=128),
+            block_k=largest_divisor_block(k, preferred=512),
+        )

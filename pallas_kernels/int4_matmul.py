@@ -26,7 +26,6 @@ unrolled.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -35,9 +34,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    check_block,
+    MatmulBlockSizes as BlockSizes,
+)
+from pallas_kernels._common import (
     compiler_params,
-    largest_divisor_block,
     pad_axis,
 )
 
@@ -49,34 +49,6 @@ __all__ = [
 ]
 
 GROUP_SIZES = (32, 128)
-# Decode has 1-8 rows; pad them to one block of at least this many (TPU sublanes: 8, Triton tl.dot: 16).
-MIN_BLOCK_M = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Output tile [block_m, block_n] and contraction step block_k (in weights, not bytes; powers of two).
-
-    block_k must be a multiple of the group size and divide k; block_n must divide n.
-    """
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 512
-
-    def __post_init__(self):
-        check_block("block_m", self.block_m)
-        check_block("block_n", self.block_n)
-        check_block("block_k", self.block_k)
-
-    @classmethod
-    def get_default(cls, m: int, n: int, k: int) -> BlockSizes:
-        # k is a multiple of the group size (a power of two <= 512), so the chosen block_k is too.
-        return cls(
-            block_m=min(128, max(MIN_BLOCK_M, pl.next_power_of_2(m))),
-            block_n=largest_divisor_block(n, preferred=128),
-            block_k=largest_divisor_block(k, preferred=512),
-        )
 
 
 def _check_inputs(x, packed, scale, minimum, group_size) -> None:

@@ -17,7 +17,6 @@ with one scale per token and head).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -26,11 +25,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    check_block,
+    MatmulBlockSizes as BlockSizes,
+)
+from pallas_kernels._common import (
     compiler_params,
     default_interpret,
     dot_nt,
-    largest_divisor_block,
     pad_axis,
 )
 
@@ -46,33 +46,6 @@ __all__ = [
 ]
 
 INT8_MAX = 127
-# Decode has 1-8 rows; pad them to one block of at least this many (TPU sublanes: 8, Triton tl.dot: 16).
-MIN_BLOCK_M = 16
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Output tile [block_m, block_n] and contraction step block_k (powers of two).
-
-    block_k is used with per-channel scales; with per-group scales the kernel steps one group at a time.
-    """
-
-    block_m: int = 128
-    block_n: int = 128
-    block_k: int = 512
-
-    def __post_init__(self):
-        check_block("block_m", self.block_m)
-        check_block("block_n", self.block_n)
-        check_block("block_k", self.block_k)
-
-    @classmethod
-    def get_default(cls, m: int, n: int, k: int) -> BlockSizes:
-        return cls(
-            block_m=min(128, max(MIN_BLOCK_M, pl.next_power_of_2(m))),
-            block_n=largest_divisor_block(n, preferred=128),
-            block_k=largest_divisor_block(k, preferred=512),
-        )
 
 
 def _group_size(w_q: jax.Array, scale: jax.Array) -> int | None:

@@ -30,12 +30,11 @@ from jaxinfer.config import CacheConfig
 from jaxinfer.cpu_kernels.native_build import cpu_description
 from jaxinfer.engine import DecodeBatch, PrefillChunk
 from jaxinfer.jax_engine import JaxEngine
-from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS
+from jaxinfer.kernel_dispatch import weight_read_bytes
 from jaxinfer.kv_cache import contiguous_page_table
 from jaxinfer.quantization import QUANTIZATION_MODES
 from jaxinfer.request import SamplingParams
 from jaxinfer.runtime import RuntimeOptions, build_runtime
-from jaxinfer.weight_formats import Int8Weight
 
 
 def measure_bandwidth_gbs(megabytes: int = 512) -> float:
@@ -51,21 +50,12 @@ def measure_bandwidth_gbs(megabytes: int = 512) -> float:
     return x.nbytes / min(times) / 1e9
 
 
-def step_weight_bytes(params, rows: int) -> int:
-    """Weight bytes one decode step must read once: int8 weights with their scales up to
-    ROWS_AS_VECTORS rows, past that the bf16 copies where they exist (quantization.add_bf16_copies;
-    the VNNI kernel reads its packed int8 weights, as many bytes as the int8 ones); int4 weights their
-    packed nibbles, scales and minimums."""
-
-    def leaf_bytes(w) -> int:
-        if isinstance(w, Int8Weight):
-            if rows > ROWS_AS_VECTORS and w.bf16 is not None:
-                return w.bf16.nbytes
-            return (w.q if w.q is not None else w.vnni).nbytes + w.scale.nbytes
-        return sum(a.nbytes for a in jax.tree.leaves(w))
-
+def step_weight_bytes(params, rows: int, kernels) -> int:
+    """Weight bytes one decode step over `rows` rows must read once: each weight in the form its kernel
+    reads at that many rows (kernel_dispatch.weight_read_bytes)."""
     top = [w for k, w in params.items() if k != "layers"]
-    return sum(leaf_bytes(w) for w in top + [w for layer in params["layers"] for w in layer.values()])
+    weights = top + [w for layer in params["layers"] for w in layer.values()]
+    return sum(weight_read_bytes(w, rows, kernels) for w in weights)
 
 
 def bench_ours(
@@ -137,7 +127,7 @@ def bench_ours(
     attend = engine.decode_attend_len(batch, len(prompt) + steps)  # the longest a stream reaches
     kv_bytes = 2 * config.num_layers * config.num_kv_heads * config.head_dim * attend
     kv_bytes *= jnp.dtype(cache_dtype).itemsize
-    result["step_bytes"] = step_weight_bytes(params, batch) + batch * kv_bytes
+    result["step_bytes"] = step_weight_bytes(params, batch, engine.kernels) + batch * kv_bytes
     return result
 
 

@@ -72,7 +72,7 @@ LLGUIDANCE_STUBBED = _stub_if_missing("llguidance", ("numpy",))
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig  # noqa: E402
 from jaxinfer.engine import DecodeBatch, PrefillChunk  # noqa: E402
 from jaxinfer.jax_engine import JaxEngine  # noqa: E402
-from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS  # noqa: E402
+from jaxinfer.kernel_dispatch import weight_read_bytes  # noqa: E402
 from jaxinfer.kv_cache import contiguous_page_table  # noqa: E402
 from jaxinfer.params import Params, fuse_projections, layer_shapes, top_shapes  # noqa: E402
 from jaxinfer.quantization import quantize_params, weight_bytes  # noqa: E402
@@ -448,14 +448,7 @@ def step_weight_bytes(params: Params, config: ModelConfig, kernels: KernelConfig
     reads (kernel_dispatch.linear), the final norm, the logits head, and the embedding rows looked up."""
 
     def read(w) -> int:
-        if isinstance(w, Int8Weight) and not kernels.int8_activations and kernels.matmul != "pallas":
-            if kernels.matmul == "native" and w.vnni is not None and rows > 1:
-                return w.vnni.nbytes + w.scale.nbytes
-            if rows > ROWS_AS_VECTORS and w.bf16 is not None:
-                return w.bf16.nbytes
-        if isinstance(w, Int8Weight):
-            return w.q.nbytes + w.scale.nbytes
-        return weight_bytes(w)
+        return weight_read_bytes(w, rows, kernels)
 
     head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
     total = read(head) + weight_bytes(params["final_norm"])

@@ -97,22 +97,28 @@ def test_prompt_longer_than_context(capsys, tiny_with_tokenizer):
     _assert_one_line_error(code, err, "exceeds the context length")
 
 
-def test_int8_convert_round_trip(capsys, tmp_path, tiny_with_tokenizer):
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_convert_round_trip(capsys, tmp_path, tiny_with_tokenizer, quantize):
     greedy = ["--temperature", "0", "--max-tokens", "6", "--ignore-eos", "--output", "json", *NO_CACHE]
     code, out, err = _run(
-        capsys, "generate", "--model", str(tiny_with_tokenizer), "--quantize", "int8", *greedy, "Hi"
+        capsys, "generate", "--model", str(tiny_with_tokenizer), "--quantize", quantize, *greedy, "Hi"
     )
     assert code == 0, err
-    expected = json.loads(out)["token_ids"]
-    out_dir = tmp_path / "orbax-int8"
+    expected = json.loads(out)
+    assert expected["weights"]["quantization"] == quantize
+    out_dir = tmp_path / f"orbax-{quantize}"
+    # int4 from float weights calibrates its clipping ranges unless told not to; round to nearest here
+    # gives the same weights as `generate --quantize int4`.
     code, out, err = _run(
-        capsys, "convert", "--model", str(tiny_with_tokenizer), "--quantize", "int8", str(out_dir)
-    )
+        capsys, "convert", "--model", str(tiny_with_tokenizer), "--quantize", quantize,
+        "--calibration-steps", "0", str(out_dir),
+    )  # fmt: skip
     assert code == 0, err
-    assert "weights int8" in out
+    assert f"weights {quantize}" in out
     code, out, err = _run(capsys, "generate", "--model", str(out_dir), *greedy, "Hi")
     assert code == 0, err
-    assert json.loads(out)["token_ids"] == expected
+    got = json.loads(out)
+    assert got["token_ids"] == expected["token_ids"] and got["weights"] == expected["weights"]
 
 
 def test_the_readme_first_command_answers_correctly(capsys):
@@ -123,3 +129,17 @@ def test_the_readme_first_command_answers_correctly(capsys):
     code, out, err = _run(capsys, *argv)
     assert code == 0, err
     assert "Paris" in out
+
+
+def test_int4_convert_from_float_weights_calibrates_with_optax(capsys, tmp_path, tiny_with_tokenizer):
+    out_dir = tmp_path / "orbax-int4-calibrated"
+    code, out, err = _run(
+        capsys, "convert", "--model", str(tiny_with_tokenizer), "--quantize", "int4",
+        "--calibration-steps", "5", str(out_dir),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "clipping calibrated with optax" in out
+    greedy = ["--temperature", "0", "--max-tokens", "4", "--ignore-eos", "--output", "json", *NO_CACHE]
+    code, out, err = _run(capsys, "generate", "--model", str(out_dir), *greedy, "Hi")
+    assert code == 0, err
+    assert json.loads(out)["weights"]["quantization"] == "int4"

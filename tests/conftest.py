@@ -129,8 +129,7 @@ def real_runtime():
     return get
 
 
-@pytest.fixture(scope="session")
-def tiny_with_tokenizer(tmp_path_factory):
+def _tiny_llama_with_real_vocab(directory, **dims):
     """A tiny random Llama over SmolLM2's real vocabulary, with its tokenizer saved beside it."""
     import torch
     import transformers
@@ -138,13 +137,34 @@ def tiny_with_tokenizer(tmp_path_factory):
     from jaxinfer.registry import resolve_model
     from jaxinfer.tokenizer import Tokenizer
 
-    directory = tmp_path_factory.mktemp("tiny-real-vocab")
     tok = Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct")[1])
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+        vocab_size=tok.vocab_size, num_hidden_layers=2, num_key_value_heads=1, max_position_embeddings=512,
+        **dims,
     )  # fmt: skip
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     tok.save(directory)
     return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_with_tokenizer(tmp_path_factory):
+    """A tiny random Llama over SmolLM2's real vocabulary, with its tokenizer saved beside it."""
+    return _tiny_llama_with_real_vocab(
+        tmp_path_factory.mktemp("tiny-real-vocab"),
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=2,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_head_dim_64(tmp_path_factory):
+    """The same with head_dim 64, which every attention kernel takes (the Pallas ones need 64, 128 or 256)."""
+    return _tiny_llama_with_real_vocab(
+        tmp_path_factory.mktemp("tiny-head-dim-64"),
+        hidden_size=128,
+        intermediate_size=96,
+        num_attention_heads=2,
+    )

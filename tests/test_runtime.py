@@ -61,27 +61,6 @@ def test_converted_weights_cache_gives_the_same_model(tmp_path, caplog):
 ATTENTION_IMPLS = ["auto", "xla", "pallas"] + (["native"] if decode_attention_available() else [])
 
 
-@pytest.fixture(scope="module")
-def tiny_head_dim_64(tmp_path_factory):
-    """A tiny random Llama over SmolLM2's vocabulary with head_dim 64, which every attention kernel takes."""
-    import torch
-    import transformers
-
-    from jaxinfer.registry import resolve_model
-    from jaxinfer.tokenizer import Tokenizer
-
-    directory = tmp_path_factory.mktemp("tiny-head-dim-64")
-    tok = Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct")[1])
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
-    tok.save(directory)
-    return directory
-
-
 @pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
 @pytest.mark.parametrize("attention", ATTENTION_IMPLS)
 def test_every_attention_impl_and_quantization_runs_with_the_default_cache(

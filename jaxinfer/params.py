@@ -95,22 +95,17 @@ def random_params(config: ModelConfig, seed: int = 0, dtype: str = "float32") ->
     return params
 
 
-def _shape(leaf) -> tuple[int, ...]:
-    """A leaf's logical shape, whatever its weight format (weight_formats.py)."""
-    return logical_shape(leaf)
-
-
 def check_params(config: ModelConfig, params: Params) -> None:
     """Raises ValueError when a leaf is missing, extra or of the wrong shape."""
     expected = top_shapes(config)
-    got = {k: _shape(v) for k, v in params.items() if k != "layers"}
+    got = {k: logical_shape(v) for k, v in params.items() if k != "layers"}
     if got != expected:
         raise ValueError(f"top-level params {got} do not match the config's {expected}")
     if len(params["layers"]) != config.num_layers:
         raise ValueError(f"{len(params['layers'])=} but {config.num_layers=}")
     expected = layer_shapes(config)
     for i, layer in enumerate(params["layers"]):
-        got = {k: _shape(v) for k, v in layer.items()}
+        got = {k: logical_shape(v) for k, v in layer.items()}
         if got != expected:
             raise ValueError(f"layer {i} params {got} do not match the config's {expected}")
 

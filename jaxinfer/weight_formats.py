@@ -133,7 +133,6 @@ class PackedInt4Weight:
         return (self.packed.shape[0] * self.packed.shape[2], self.in_features)
 
 
-QuantizedWeight = Int8Weight | Int4Weight | PackedInt4Weight
 QUANTIZED_TYPES = (Int8Weight, Int4Weight, PackedInt4Weight)
 
 

@@ -185,7 +185,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         enable_prefix_caching=args.prefix_caching,
     )  # fmt: skip
     wall = time.perf_counter() - start
-    weights = {"quantization": runtime.model_info()["quantization"], **runtime.weight_memory()}
+    info = runtime.model_info()
+    weights = {key: info[key] for key in ("quantization", "weight_bytes", "float32_weight_bytes")}
     for text, r in zip(args.prompt, results):
         if args.output == "json":
             print(json.dumps({"prompt": text, **r.to_json(), "weights": weights}, ensure_ascii=False))

@@ -51,7 +51,7 @@ def teacher_forced_logits(
 ) -> np.ndarray:
     """[t, vocab] float32 logits of one pass over `tokens`."""
     t = len(tokens)
-    cache, page_table = _cache_for(config, 1, t, "float32")
+    cache, page_table = cache_for(config, 1, t, "float32")
     run = jax.jit(forward, static_argnames=("config", "kernels"))
     logits, _ = run(
         params, config, jnp.asarray([tokens], jnp.int32), jnp.arange(t, dtype=jnp.int32)[None], cache,
@@ -73,7 +73,7 @@ def teacher_forced_decode_logits(
     the path under test is decode at that many rows with that KV cache (e.g. the CPU default: more than
     four rows multiply a bfloat16 cache in bfloat16)."""
     t = len(tokens)
-    cache, page_table = _cache_for(config, rows, t, cache_dtype)
+    cache, page_table = cache_for(config, rows, t, cache_dtype)
 
     @functools.partial(jax.jit, donate_argnums=(1,))
     def step(token: jax.Array, cache, position: jax.Array):
@@ -89,8 +89,9 @@ def teacher_forced_decode_logits(
     return np.asarray(jnp.stack(out))
 
 
-def _cache_for(config: ModelConfig, rows: int, length: int, dtype: str):
-    """A page pool holding `rows` sequences of `length` positions, and their page table."""
+def cache_for(config: ModelConfig, rows: int, length: int, dtype: str):
+    """A page pool holding `rows` sequences of `length` positions, and their page table (for passes over a
+    fixed text: evaluation here, int4 calibration)."""
     pages = -(-length // PAGE_SIZE)
     cache_config = CacheConfig(
         num_pages=rows * pages + 1, page_size=PAGE_SIZE, max_len=length, num_slots=rows, dtype=dtype

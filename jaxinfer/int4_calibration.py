@@ -22,18 +22,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
-from jaxinfer.kv_cache import contiguous_page_table, init_cache
+from jaxinfer.config import KernelConfig, ModelConfig
+from jaxinfer.evaluation import cache_for
 from jaxinfer.model import embed_tokens, layer_runner
 from jaxinfer.params import Params
 from jaxinfer.quantization import INT4_GROUP_SIZE, LINEAR_LEAVES
-from jaxinfer.sharding import make_mesh
 from jaxinfer.weight_formats import int4_grid, int4_group_size
 
 log = logging.getLogger(__name__)
 
 INITIAL_LOGIT = 5.0  # sigmoid(5) = 0.993: start next to round-to-nearest's full range
-PAGE_SIZE = 64
 
 # A fixed English passage for calibration, distinct from evaluation.EVAL_TEXT (written for this project).
 CALIBRATION_TEXT = (
@@ -95,13 +93,9 @@ def calibrate_int4(
 
     Returns ({(layer index, weight name): clip [out, in / group_size]}, one LayerFit per layer).
     """
-    length = len(tokens)
-    pages = -(-length // PAGE_SIZE)
-    cache_config = CacheConfig(num_pages=pages + 1, page_size=PAGE_SIZE, max_len=length, num_slots=1)
+    cache, page_table = cache_for(config, 1, len(tokens), "float32")
     context = dict(
-        positions=jnp.arange(length, dtype=jnp.int32)[None],
-        cache=init_cache(config, cache_config, make_mesh()),
-        page_table=jnp.asarray(contiguous_page_table(1, pages)),
+        positions=jnp.arange(len(tokens), dtype=jnp.int32)[None], cache=cache, page_table=page_table
     )
     optimizer = optax.adam(learning_rate)
     output = jax.jit(_layer_output, static_argnums=(0, 1))

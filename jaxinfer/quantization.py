@@ -152,21 +152,6 @@ def pack_int4_weights(params: Params) -> Params:
     return map_weights(params, pack)
 
 
-def all_linear_int4(params: Params) -> bool:
-    """Whether every linear weight of every layer is an Int4Weight (a file of 4-bit blocks only)."""
-    return all(
-        isinstance(w, Int4Weight)
-        for layer in params["layers"]
-        for n, w in layer.items()
-        if n in LINEAR_LEAVES
-    )
-
-
-def dequantize_int4(params: Params) -> Params:
-    """Every Int4Weight back to the float32 values it stands for (exact); other leaves unchanged."""
-    return map_weights(params, lambda path, name, w: w.dequantize() if isinstance(w, Int4Weight) else w)
-
-
 def weight_bytes(params: Params) -> int:
     """Bytes held by every weight array (quantised values, scales and kernel copies included)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(params))

@@ -22,15 +22,13 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kv_cache import bytes_per_page
 from jaxinfer.loading import LoadedModel, ModelLoadError, load_gguf, load_model
 from jaxinfer.loading.common import expected_leaf_shapes
-from jaxinfer.loading.gguf_loader import open_gguf
+from jaxinfer.loading.gguf_loader import linear_weights_are_4bit, open_gguf
 from jaxinfer.loading.orbax_checkpoint import MODEL_FILE
 from jaxinfer.loading.sampling_defaults import sampling_defaults
 from jaxinfer.params import fuse_projections
 from jaxinfer.quantization import (
     add_bf16_copies,
     add_vnni_weights,
-    all_linear_int4,
-    dequantize_int4,
     pack_int4_weights,
     quantization_of,
     quantize_params,
@@ -313,6 +311,11 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         if kind == "gguf":
             # Parsing a large vocabulary's GGUF metadata takes seconds: parse it once for both.
             reader = open_gguf(path)
+            if options.quantize == "auto" and quantize == "int4" and not linear_weights_are_4bit(reader):
+                # A file mixing 4-bit with wider blocks: its projections cannot fuse across formats and
+                # the extra kernel calls cost more at one stream than 4 bits save (Gemma 3 Q4_K_M: ~100
+                # vs ~113 tok/s), so auto takes it to int8 like a float checkpoint.
+                quantize = "int8"
             loaded = load_gguf(reader, dtype=dtype, placement=placement, int4=quantize == "int4")
             tokenizer = load_tokenizer(loaded, reader)
         else:
@@ -320,15 +323,9 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
             tokenizer = load_tokenizer(loaded)
         if quantize != "none":  # leaves already quantised (a GGUF file's 4-bit blocks) are kept
             before = weight_bytes(loaded.params)
-            params = loaded.params
-            if options.quantize == "auto" and quantize == "int4" and not all_linear_int4(params):
-                # A file mixing 4-bit with wider blocks: its projections cannot fuse across formats and
-                # the extra kernel calls cost more at one stream than 4 bits save (Gemma 3 Q4_K_M: ~100
-                # vs ~113 tok/s), so auto takes it to int8 like a float checkpoint.
-                quantize, params = "int8", dequantize_int4(params)
             # A GGUF file's tensors stored above 4 bits (Q5_0, Q6_K, Q8_0) keep most of that as int8.
             mode = "int8" if kind == "gguf" else quantize
-            loaded = dataclasses.replace(loaded, params=quantize_params(params, mode))
+            loaded = dataclasses.replace(loaded, params=quantize_params(loaded.params, mode))
             log.info("%s weights: %.1f MiB -> %.1f MiB", quantize, before / 2**20,
                      weight_bytes(loaded.params) / 2**20)  # fmt: skip
             if entry is not None:

@@ -105,7 +105,7 @@ def param_placement(mesh: Mesh):
     return place
 
 
-def _key_path(path) -> tuple[str | int, ...]:
+def key_path_names(path) -> tuple[str | int, ...]:
     """A tree_util key path as names and indices (dict keys, list indices, dataclass field names)."""
     return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path)
 
@@ -113,7 +113,7 @@ def _key_path(path) -> tuple[str | int, ...]:
 def param_shardings(params, mesh: Mesh):
     """The NamedSharding PARAM_RULES give every leaf of `params` (same tree structure)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: NamedSharding(mesh, param_spec(_key_path(path), leaf.shape, mesh)), params
+        lambda path, leaf: NamedSharding(mesh, param_spec(key_path_names(path), leaf.shape, mesh)), params
     )
 
 

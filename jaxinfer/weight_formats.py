@@ -200,15 +200,6 @@ def quantize_int4(w: jax.Array, group_size: int = 32, clip: jax.Array | None = N
     return Int4Weight.from_values(q.astype(jnp.uint8).reshape(w.shape), scale, low, group_size)
 
 
-def dequantize(w) -> jax.Array:
-    """The float32 [out, in] values a weight of any format stands for (PackedInt4Weight excepted)."""
-    if isinstance(w, (Int8Weight, Int4Weight)):
-        return w.dequantize()
-    if isinstance(w, PackedInt4Weight):
-        raise ValueError("a PackedInt4Weight is dequantised through cpu_kernels.unpack_int4")
-    return jnp.asarray(w, jnp.float32)
-
-
 def concat_rows(weights: list) -> Any:
     """Weights of one format stacked along `out` (fused projections); float arrays or Int8/Int4Weight."""
     first = weights[0]

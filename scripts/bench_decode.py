@@ -34,20 +34,8 @@ from jaxinfer.kernel_dispatch import weight_read_bytes
 from jaxinfer.kv_cache import contiguous_page_table
 from jaxinfer.quantization import QUANTIZATION_MODES
 from jaxinfer.request import SamplingParams
+from jaxinfer.roofline import measure_bandwidth_gbs
 from jaxinfer.runtime import RuntimeOptions, build_runtime
-
-
-def measure_bandwidth_gbs(megabytes: int = 512) -> float:
-    """Read bandwidth of a large reduction, the bound decode cannot beat."""
-    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return x.nbytes / min(times) / 1e9
 
 
 def step_weight_bytes(params, rows: int, kernels) -> int:

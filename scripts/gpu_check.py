@@ -77,6 +77,7 @@ from jaxinfer.kv_cache import contiguous_page_table  # noqa: E402
 from jaxinfer.params import Params, fuse_projections, layer_shapes, top_shapes  # noqa: E402
 from jaxinfer.quantization import quantize_params, weight_bytes  # noqa: E402
 from jaxinfer.request import SamplingParams  # noqa: E402
+from jaxinfer.roofline import measure_bandwidth_gbs  # noqa: E402
 from jaxinfer.weight_formats import Int8Weight, quantize_int4  # noqa: E402
 from pallas_kernels import (  # noqa: E402
     default_interpret,
@@ -472,21 +473,6 @@ def attended_positions(engine: JaxEngine, rows: int, length: int) -> int:
     return engine.decode_attend_len(rows, length)
 
 
-def measure_bandwidth_gbs(megabytes: int) -> float:
-    """Read bandwidth of a large device-side reduction, the bound decode cannot beat (best of 10)."""
-    x = jax.jit(lambda: jnp.ones((megabytes * 2**20 // 4,), jnp.float32))()
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        start = time.perf_counter()
-        total(x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    gbs = x.nbytes / min(times) / 1e9
-    del x
-    return gbs
-
-
 @dataclasses.dataclass(frozen=True)
 class Workload:
     prompt: tuple[int, ...]  # each decode stream's prompt
@@ -605,7 +591,7 @@ def run_engine(report: Report, args: argparse.Namespace, kernels: KernelConfig, 
         decode=[], prefill=[], builds=[], errors=[], skipped=[],
     )  # fmt: skip
     print(f"\n== engine: {config.name}, formats {args.formats}, batches {batches} ==", flush=True)
-    measured = measure_bandwidth_gbs(args.bandwidth_mib)
+    measured = measure_bandwidth_gbs(args.bandwidth_mib, repeats=10)
     section["bandwidth"] = {"hbm_gbps_flag": args.hbm_gbps, "measured_gbps": round(measured, 1)}
     print(f"HBM peak {args.hbm_gbps:.0f} GB/s (--hbm-gbps), reduction read {measured:.0f} GB/s", flush=True)
     report.save()

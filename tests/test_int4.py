@@ -28,8 +28,6 @@ from jaxinfer.kernel_dispatch import embed, linear
 from jaxinfer.loading.gguf_loader import int4_blocks
 from jaxinfer.params import check_params, fuse_projections, random_params
 from jaxinfer.quantization import (
-    all_linear_int4,
-    dequantize_int4,
     map_weights,
     pack_int4_weights,
     quantization_of,
@@ -41,10 +39,8 @@ from jaxinfer.weight_formats import (
     Int4Weight,
     Int8Weight,
     PackedInt4Weight,
-    dequantize,
     is_quantized,
     quantize_int4,
-    quantize_int8,
 )
 from tests.test_engine import LLAMA
 
@@ -205,7 +201,7 @@ def test_int4_decode_matches_recompute_at_any_batch(native):
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, size=20)]
     params = fuse_projections(quantize_params(random_params(config, seed=3), "int4"))
     # The same model with every weight dequantised to float32: what the 4-bit weights stand for.
-    dequantised = map_weights(params, lambda path, name, w: dequantize(w) if is_quantized(w) else w)
+    dequantised = map_weights(params, lambda path, name, w: w.dequantize() if is_quantized(w) else w)
     reference = teacher_forced_logits(dequantised, config, tokens, KernelConfig())
     # Attention through the native kernel too where it runs: XLA's own attention may reduce in another
     # order at another row count.
@@ -273,12 +269,10 @@ def test_an_int4_models_tables_keep_only_their_packed_int8_form():
     assert _rel(linear(x, packed, KernelConfig()), x @ table.T) < 1e-5  # XLA reads the unpacked bytes
 
 
-def test_a_mixed_file_goes_back_to_the_values_its_int4_blocks_stand_for():
-    params = quantize_params(random_params(LLAMA, seed=6), "int4")
-    assert all_linear_int4(params)
-    mixed = {**params, "layers": [{**params["layers"][0], "v_proj": quantize_int8(jnp.ones((32, 64)))}]}
-    assert not all_linear_int4(mixed)
-    back = dequantize_int4(params)
-    down = params["layers"][1]["down_proj"]
-    np.testing.assert_array_equal(np.asarray(back["layers"][1]["down_proj"]), np.asarray(down.dequantize()))
-    assert isinstance(back["embed"], Int8Weight)  # other formats stay as they are
+def test_auto_takes_int4_only_for_files_of_4bit_linear_weights():
+    from jaxinfer.loading.gguf_loader import linear_weights_are_4bit, open_gguf
+    from jaxinfer.registry import resolve_model
+
+    # SmolLM2's layers are all Q4_1; Gemma 3's Q4_K_M file mixes Q4_K with Q5_0, Q6_K and Q8_0.
+    assert linear_weights_are_4bit(open_gguf(resolve_model("smollm2-135m-instruct")[1]))
+    assert not linear_weights_are_4bit(open_gguf(resolve_model("gemma3-270m")[1]))

@@ -29,6 +29,7 @@ from jaxinfer.sharding import (
     DATA,
     REPLICATED,
     TENSOR,
+    key_path_names,
     kv_cache_spec,
     make_mesh,
     param_placement,
@@ -190,7 +191,7 @@ def _assert_declared_shardings(engine: JaxEngine) -> None:
     mesh = engine.mesh
     flat, _ = jax.tree_util.tree_flatten_with_path(engine.params)
     for path, leaf in flat:
-        key_path = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path)
+        key_path = key_path_names(path)
         assert leaf.sharding.mesh == mesh
         assert leaf.sharding.spec == param_spec(key_path, leaf.shape, mesh), key_path
     cache_spec = kv_cache_spec(engine.config.num_kv_heads, mesh)

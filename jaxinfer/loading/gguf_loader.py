@@ -198,6 +198,12 @@ Q = gguf.GGMLQuantizationType
 INT4_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 
+def linear_weights_are_4bit(reader: gguf.GGUFReader) -> bool:
+    """Whether every linear weight of the layers is stored in a 4-bit block type (INT4_BLOCK_TYPES)."""
+    kinds = [t.tensor_type for t in reader.tensors if (_key_path(t.name) or ("",))[-1] in LINEAR_LEAVES]
+    return bool(kinds) and all(kind in INT4_BLOCK_TYPES for kind in kinds)
+
+
 def int4_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A 4-bit GGUF tensor's raw rows uint8 [rows, row bytes] -> (q uint8 [rows, cols] in [0, 15],
     scale float32 [rows, cols / 32], minimum float32 [rows, cols / 32]) with w = q * scale + minimum

@@ -7,15 +7,21 @@ Changing any field of a config passed statically triggers a recompile; nothing e
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Literal
 
 import jax.numpy as jnp
 
 from jaxinfer.cpu_kernels import decode_attention_available, vnni_available
 
-Arch = Literal["llama", "gemma3"]
 LayerType = Literal["full_attention", "sliding_attention"]
 Activation = Literal["silu", "gelu_tanh"]
+# Where a layer's RMSNorms sit: "pre" (Llama: before attention and MLP), "sandwich" (Gemma 2/3: before
+# and after each), "post" (OLMo 2: after each, on the branch output only).
+NormPlacement = Literal["pre", "sandwich", "post"]
+# RMSNorm on queries and keys before RoPE: "head" normalises each head's [head_dim] (Gemma 3, Qwen 3),
+# "projection" the whole [heads * head_dim] projection (OLMo 2).
+QKNorm = Literal["none", "head", "projection"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,13 +44,14 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama family or Gemma 3).
+    """Architecture of a decoder-only transformer; every family (jaxinfer/models/) is these fields.
 
+    `arch` names the family (models.FAMILIES); the forward pass reads only the flags below, never the name.
     Norm weights in the params pytree are always the *effective* multiplier: loaders fold Gemma's
-    `(1 + w)` convention in, so model code applies `x * w` for both families.
+    `(1 + w)` convention in, so model code applies `x * w` for every family.
     """
 
-    arch: Arch
+    arch: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -64,12 +71,19 @@ class ModelConfig:
     activation: Activation = "silu"
     # Gemma scales queries by query_pre_attn_scalar**-0.5 instead of head_dim**-0.5.
     query_pre_attn_scalar: float | None = None
-    # Gemma 3: RMSNorm on q and k per head, extra post-attention / post-MLP norms, sqrt(hidden) embed scale.
-    qk_norm: bool = False
-    sandwich_norms: bool = False
-    embed_scale: float = 1.0
+    qk_norm: QKNorm = "none"
+    norms: NormPlacement = "pre"
+    qkv_bias: bool = False  # Qwen 2: biases on the q, k and v projections
+    embed_scale: float = 1.0  # Gemma: sqrt(hidden)
     attn_logit_softcap: float | None = None
     final_logit_softcap: float | None = None
+    # Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is `num_experts` gated MLPs of
+    # `expert_intermediate_size`, `experts_per_token` of them chosen per token by a softmax router whose
+    # top-k weights are renormalised to sum to 1 when `normalize_expert_weights`. 0 experts: a dense MLP.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = True
     name: str = ""
 
     def __post_init__(self):
@@ -81,6 +95,13 @@ class ModelConfig:
             raise ValueError(f"{self.num_heads=} must be a multiple of {self.num_kv_heads=}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise ValueError("sliding_attention layers need a sliding_window")
+        for name, kind in (("norms", NormPlacement), ("qk_norm", QKNorm), ("activation", Activation)):
+            if getattr(self, name) not in typing.get_args(kind):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {typing.get_args(kind)}")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"{self.experts_per_token=} must be in [1, {self.num_experts=}]")
+        if self.num_experts and self.expert_intermediate_size < 1:
+            raise ValueError(f"{self.expert_intermediate_size=} must be positive in an MoE model")
 
     @property
     def attn_scale(self) -> float:

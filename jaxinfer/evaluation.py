@@ -16,8 +16,8 @@ import numpy as np
 
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
-from jaxinfer.model import forward
-from jaxinfer.params import Params
+from jaxinfer.models.params import Params
+from jaxinfer.models.transformer import forward
 from jaxinfer.sharding import make_mesh
 
 PAGE_SIZE = 64  # the CPU default (runtime.DEFAULT_PAGE_SIZE)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxinfer.cpu_kernels import int4_matmul_supports, pack_int4, pack_weight
 from jaxinfer.cpu_kernels import supports as supports_vnni
-from jaxinfer.params import Params
+from jaxinfer.models.params import Params
 from jaxinfer.weight_formats import (
     Int4Weight,
     Int8Weight,

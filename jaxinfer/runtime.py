@@ -25,7 +25,7 @@ from jaxinfer.loading.common import expected_leaf_shapes
 from jaxinfer.loading.gguf_loader import linear_weights_are_4bit, open_gguf
 from jaxinfer.loading.orbax_checkpoint import MODEL_FILE
 from jaxinfer.loading.sampling_defaults import sampling_defaults
-from jaxinfer.params import fuse_projections
+from jaxinfer.models.params import fuse_projections
 from jaxinfer.quantization import (
     add_bf16_copies,
     add_vnni_weights,

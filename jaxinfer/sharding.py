@@ -4,7 +4,7 @@ Mesh axes:
   data   - independent decode slots (the KV cache's slot axis).
   tensor - Megatron-style model parallelism: attention heads and MLP columns.
 
-Weights are [out, in] (see params.py): column-parallel layers split `out`, row-parallel layers split `in`.
+Weights are [out, in] (see models/params.py): column-parallel layers split `out`, row-parallel layers split `in`.
 A quantised weight (weight_formats.py) follows its layer's rule in each of its arrays: int8 q [out, in]
 and int4 packed [out, in/2] take the rule, scales [out] or [out, groups] its leading entries. A weight
 whose dims do not divide over the mesh is replicated; a split is by shape only, so q/k/v rows may split

@@ -27,7 +27,7 @@ from jaxinfer.evaluation import EVAL_TEXT, compare, teacher_forced_decode_logits
 from jaxinfer.int4_calibration import CALIBRATION_TEXT, calibrate_int4
 from jaxinfer.loading import load_model
 from jaxinfer.loading.gguf_loader import load_gguf
-from jaxinfer.params import fuse_projections
+from jaxinfer.models.params import fuse_projections
 from jaxinfer.quantization import add_bf16_copies, add_vnni_weights, quantize_params, weight_bytes
 from jaxinfer.runtime import add_kernel_forms, load_tokenizer
 

@@ -74,7 +74,7 @@ from jaxinfer.engine import DecodeBatch, PrefillChunk  # noqa: E402
 from jaxinfer.jax_engine import JaxEngine  # noqa: E402
 from jaxinfer.kernel_dispatch import weight_read_bytes  # noqa: E402
 from jaxinfer.kv_cache import contiguous_page_table  # noqa: E402
-from jaxinfer.params import Params, fuse_projections, layer_shapes, top_shapes  # noqa: E402
+from jaxinfer.models.params import Params, fuse_projections, layer_shapes, top_shapes  # noqa: E402
 from jaxinfer.quantization import quantize_params, weight_bytes  # noqa: E402
 from jaxinfer.request import SamplingParams  # noqa: E402
 from jaxinfer.roofline import measure_bandwidth_gbs  # noqa: E402

@@ -239,7 +239,7 @@ def test_bad_shapes_are_refused_clearly():
 def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtype):
     from jaxinfer.config import KernelConfig
     from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
-    from jaxinfer.params import random_params
+    from jaxinfer.models.params import random_params
     from tests.test_engine import CONFIGS
 
     config = CONFIGS[arch]  # Gemma: sliding-window layers, a window of 7 passed by the end
@@ -257,7 +257,7 @@ def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtyp
 def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
     from jaxinfer.config import KernelConfig
     from jaxinfer.jax_engine import JaxEngine
-    from jaxinfer.params import random_params
+    from jaxinfer.models.params import random_params
     from jaxinfer.testing import paged_cache_config
     from tests.test_engine import CONFIGS
 

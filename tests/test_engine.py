@@ -14,8 +14,8 @@ from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, DecodeBatch, PrefillChun
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
-from jaxinfer.model import XLA_KERNELS, forward
-from jaxinfer.params import random_params
+from jaxinfer.models.transformer import XLA_KERNELS, forward
+from jaxinfer.models.params import random_params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
 from jaxinfer.testing import IdTokenizer, paged_cache_config, scattered_page_table
@@ -28,8 +28,8 @@ GEMMA = ModelConfig(
     arch="gemma3", vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
     num_kv_heads=1, head_dim=32, max_position_embeddings=256, rope_theta=1e6, rope_local_theta=1e4,
     sliding_window=7, layer_types=("sliding_attention", "sliding_attention", "full_attention"),
-    tie_word_embeddings=True, activation="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm=True,
-    sandwich_norms=True, embed_scale=8.0,
+    tie_word_embeddings=True, activation="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm="head",
+    norms="sandwich", embed_scale=8.0,
 )  # fmt: skip
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
 
@@ -303,7 +303,7 @@ def test_state_stays_on_declared_shardings(llama_engine):
 
 @pytest.mark.parametrize("quantize", [False, True])
 def test_fused_projections_give_the_same_logits(quantize):
-    from jaxinfer.params import fuse_projections
+    from jaxinfer.models.params import fuse_projections
     from jaxinfer.quantization import quantize_params
 
     params = random_params(GEMMA, seed=5)

@@ -26,7 +26,7 @@ from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_log
 from jaxinfer.int4_calibration import calibrate_int4
 from jaxinfer.kernel_dispatch import embed, linear
 from jaxinfer.loading.gguf_loader import int4_blocks
-from jaxinfer.params import check_params, fuse_projections, random_params
+from jaxinfer.models.params import check_params, fuse_projections, random_params
 from jaxinfer.quantization import (
     map_weights,
     pack_int4_weights,

@@ -21,7 +21,7 @@ from jaxinfer.cpu_kernels import (
 from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
 from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.kernel_dispatch import linear
-from jaxinfer.params import fuse_projections, random_params
+from jaxinfer.models.params import fuse_projections, random_params
 from jaxinfer.quantization import add_vnni_weights, quantize_params
 from pallas_kernels import dequantize_int8, quantize_int8
 from tests.test_engine import CONFIGS

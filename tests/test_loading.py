@@ -35,10 +35,10 @@ from jaxinfer.loading import (
     read_extra,
     save_checkpoint,
 )
-from jaxinfer.params import check_params, random_params
+from jaxinfer.models.params import check_params, random_params
 from jaxinfer.registry import ModelNotFoundError
 
-# Hugging Face parameter names -> our leaf names (jaxinfer/params.py), written out independently of the
+# Hugging Face parameter names -> our leaf names (jaxinfer/models/params.py), written out independently of the
 # loaders. Gemma's post_attention_layernorm is the sandwich norm; Llama's is the pre-MLP norm.
 _HF_LAYER = {
     "input_layernorm": "attn_norm",
@@ -147,7 +147,7 @@ def test_smollm_gguf_config_matches_transformers(smollm):
     assert config.rope_scaling == RopeScaling()
     assert config.activation == "silu" and hf.hidden_act == "silu"
     assert config.layer_types == ("full_attention",) * hf.num_hidden_layers
-    assert config.sliding_window is None and not config.qk_norm and config.embed_scale == 1.0
+    assert config.sliding_window is None and config.qk_norm == "none" and config.embed_scale == 1.0
     assert config_from_gguf(reader) == config
 
 
@@ -167,7 +167,7 @@ def test_gemma3_gguf_config_matches_transformers(gemma):
     assert config.rope_local_theta == hf.rope_parameters["sliding_attention"]["rope_theta"]
     assert config.query_pre_attn_scalar == hf.query_pre_attn_scalar
     assert config.activation == "gelu_tanh" and hf.hidden_activation == "gelu_pytorch_tanh"
-    assert config.qk_norm and config.sandwich_norms
+    assert config.qk_norm == "head" and config.norms == "sandwich"
     assert config.embed_scale == pytest.approx(hf.hidden_size**0.5)
     assert config.attn_logit_softcap == hf.attn_logit_softcapping
     assert config.final_logit_softcap == hf.final_logit_softcapping

@@ -10,7 +10,7 @@ import torch
 from jaxinfer.generate import generate
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.loading import load_model
-from jaxinfer.model import forward
+from jaxinfer.models.transformer import forward
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
 from jaxinfer.testing import paged_cache_config

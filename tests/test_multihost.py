@@ -48,7 +48,7 @@ def _greedy_tokens(engine) -> list[list[int]]:
 
 def _engine(mesh_text: str | None):
     from jaxinfer.jax_engine import JaxEngine
-    from jaxinfer.params import random_params
+    from jaxinfer.models.params import random_params
     from jaxinfer.sharding import make_mesh, parse_mesh
     from jaxinfer.testing import paged_cache_config
 

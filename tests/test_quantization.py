@@ -11,7 +11,7 @@ from jaxinfer.config import KernelConfig
 from jaxinfer.cpu_kernels import vnni_available
 from jaxinfer.evaluation import EVAL_TEXT, compare, teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.kernel_dispatch import embed, linear
-from jaxinfer.params import random_params
+from jaxinfer.models.params import random_params
 from jaxinfer.quantization import (
     add_bf16_copies,
     add_vnni_weights,

@@ -21,8 +21,8 @@ from jaxinfer.engine import DecodeBatch
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
-from jaxinfer.model import forward
-from jaxinfer.params import random_params
+from jaxinfer.models.transformer import forward
+from jaxinfer.models.params import random_params
 from jaxinfer.quantization import quantize_params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import (
@@ -49,8 +49,8 @@ GEMMA = ModelConfig(
     arch="gemma3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
     num_kv_heads=1, head_dim=32, max_position_embeddings=256, rope_theta=1e6, rope_local_theta=1e4,
     sliding_window=7, layer_types=("sliding_attention", "full_attention"),
-    tie_word_embeddings=True, activation="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm=True,
-    sandwich_norms=True, embed_scale=8.0,
+    tie_word_embeddings=True, activation="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm="head",
+    norms="sandwich", embed_scale=8.0,
 )  # fmt: skip
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
 MESHES = {"1x2": (1, 2), "1x4": (1, 4), "2x4": (2, 4)}  # data x tensor; 1x1 is the reference

@@ -1,7 +1,7 @@
 """What every weight loader shares: the result type, the error type, placement and a streaming params builder.
 
 A loader walks its file tensor by tensor. For each tensor it produces one host (numpy) array in our layout
-(see jaxinfer/params.py), hands it to `ParamsBuilder.put`, which casts it, places it on its device with
+(see jaxinfer/models/params.py), hands it to `ParamsBuilder.put`, which casts it, places it on its device with
 `jax.device_put` and forgets the host copy. Peak host memory therefore stays near one tensor plus whatever
 the file format itself keeps mapped.
 """
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.params import Params, check_params, layer_shapes, top_shapes
+from jaxinfer.models.params import Params, check_params, layer_shapes, top_shapes
 from jaxinfer.weight_formats import logical_shape
 
 # A leaf's position in the params pytree: ("embed",) or ("layers", 3, "q_proj").
@@ -92,6 +92,7 @@ class ParamsBuilder:
         self.placement = placement or default_placement()
         self._expected = expected_leaf_shapes(config)
         self._leaves: dict[KeyPath, jax.Array] = {}
+        self._experts: dict[KeyPath, tuple[np.ndarray, set[int]]] = {}
 
     def _check(self, key_path: KeyPath, shape: tuple[int, ...], source: str) -> tuple[int, ...]:
         expected = self._expected.get(key_path)
@@ -124,6 +125,35 @@ class ParamsBuilder:
             host[...] = value
         sharding = self.placement(key_path, expected, self.dtype_name)
         self._leaves[key_path] = jax.device_put(host, sharding, may_alias=True)
+
+    def put_rows(self, key_paths: tuple[KeyPath, ...], value: np.ndarray, *, source: str) -> None:
+        """A fused tensor (Phi-3's qkv_proj) whose rows split, in order, into the leaves `key_paths`."""
+        sizes = [self._expected.get(k, (0,))[0] for k in key_paths]
+        if sum(sizes) != value.shape[0]:
+            names = ", ".join(key_path_str(k) for k in key_paths)
+            raise ModelLoadError(f"tensor {source!r} has {value.shape[0]} rows, not {sum(sizes)} ({names})")
+        for key_path, start, size in zip(key_paths, np.cumsum([0, *sizes]), sizes):
+            self.put(key_path, value[start : start + size], source=source)
+
+    def put_expert(self, key_path: KeyPath, expert: int, value: np.ndarray, *, source: str) -> None:
+        """One expert's slice [out, in] of a stacked [experts, out, in] leaf (checkpoints that store each
+        expert apart); the leaf is placed once every expert has arrived."""
+        expected = self._expected.get(key_path)
+        if expected is None or len(expected) != 3:
+            raise ModelLoadError(f"tensor {source!r} maps to {key_path_str(key_path)}, not an expert weight")
+        if not 0 <= expert < expected[0] or tuple(value.shape) != expected[1:]:
+            raise ModelLoadError(
+                f"tensor {source!r} (expert {expert}, shape {value.shape}) does not fit "
+                f"{key_path_str(key_path)} {expected}"
+            )
+        stacked, seen = self._experts.setdefault(key_path, (aligned_empty(expected, self.np_dtype), set()))
+        if expert in seen:
+            raise ModelLoadError(f"tensor {source!r} gives expert {expert} of {key_path_str(key_path)} twice")
+        stacked[expert] = value
+        seen.add(expert)
+        if len(seen) == expected[0]:
+            del self._experts[key_path]
+            self.put(key_path, stacked, source=source, owned=True)
 
     def put_quantized(self, key_path: KeyPath, weight, *, source: str) -> None:
         """Places a weight_formats type holding host (numpy) arrays, each array as it is (no cast), with

@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp's format): the config from the metadata, the weights dequantised tensor by tensor.
 
-Supported architectures: "llama" (SmolLM2, Llama, Mistral as llama.cpp writes them) and "gemma3".
-Every type the `gguf` package can dequantise is accepted (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, K-quants).
+The architecture names the model family (models/families.py); its metadata is read under the Hugging
+Face config keys, so the family's one config builder serves both formats. Every type the `gguf`
+package can dequantise is accepted (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, K-quants).
 
 With `int4=True`, linear weights stored as Q4_0, Q4_1 or Q4_K blocks are repacked into
 weight_formats.Int4Weight without a float round trip (`int4_blocks`): every 32-weight (sub-)block maps
@@ -22,14 +23,13 @@ Reading the header of a file with a large vocabulary is slow (GGUFReader parses 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 import gguf
 import numpy as np
 
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig
 from jaxinfer.loading.common import (
     KeyPath,
     LoadedModel,
@@ -38,28 +38,27 @@ from jaxinfer.loading.common import (
     Placement,
     aligned_empty,
 )
+from jaxinfer.models.families import family_for_gguf
+from jaxinfer.models.family import Family
 from jaxinfer.quantization import LINEAR_LEAVES
 from jaxinfer.weight_formats import Int4Weight
 
-SUPPORTED_ARCHS = ("llama", "gemma3")
-GEMMA3_GLOBAL_EVERY = 6
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
-
 _TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
-_LAYER_TENSORS = {
-    "attn_norm.weight": "attn_norm",
-    "attn_q.weight": "q_proj",
-    "attn_k.weight": "k_proj",
-    "attn_v.weight": "v_proj",
-    "attn_output.weight": "o_proj",
-    "attn_q_norm.weight": "q_norm",
-    "attn_k_norm.weight": "k_norm",
-    "post_attention_norm.weight": "post_attn_norm",
-    "ffn_norm.weight": "mlp_norm",
-    "post_ffw_norm.weight": "post_mlp_norm",
-    "ffn_gate.weight": "gate_proj",
-    "ffn_up.weight": "up_proj",
-    "ffn_down.weight": "down_proj",
+# GGUF metadata keys (after "{arch}.") -> the Hugging Face config keys every family reads.
+_HF_KEYS = {
+    "embedding_length": "hidden_size",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "context_length": "max_position_embeddings",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "rope.freq_base": "rope_theta",
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+    "expert_used_count": "num_experts_per_tok",
 }
 _MISSING = object()
 GGUF_BLOCK = 32  # weights per Q4_0 / Q4_1 block and per Q4_K sub-block
@@ -106,69 +105,50 @@ def _reader_path(reader: gguf.GGUFReader) -> Path:
 def config_from_gguf(path_or_reader: str | Path | gguf.GGUFReader) -> ModelConfig:
     """The ModelConfig a GGUF file's metadata (and tensor list) describes."""
     reader = open_gguf(path_or_reader)
+    family = gguf_family(reader)
+    return family.build_config(_hf_config_dict(reader, family))
+
+
+def gguf_family(reader: gguf.GGUFReader) -> Family:
+    """The model family of a GGUF file (models/families.py), from its architecture and expert count."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHS})")
+    return family_for_gguf(arch, int(_field(reader, f"{arch}.expert_count", 0) or 0))
+
+
+def _hf_config_dict(reader: gguf.GGUFReader, family: Family) -> dict[str, Any]:
+    """The file's metadata under the Hugging Face config keys the family's builder reads."""
+    arch = _field(reader, "general.architecture")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ModelLoadError("GGUF file has no token_embd.weight tensor")
     if "rope_freqs.weight" in tensors:
         raise ModelLoadError("GGUF rope_freqs.weight (Llama 3 RoPE scaling as a tensor) is not supported")
-
-    def meta(key: str, default: Any = _MISSING) -> Any:
-        return _field(reader, f"{arch}.{key}", default)
-
-    hidden = int(meta("embedding_length"))
-    num_heads = int(meta("attention.head_count"))
-    num_kv_heads = int(meta("attention.head_count_kv", num_heads))
-    head_dim = int(meta("attention.key_length", hidden // num_heads))
-    if int(meta("attention.value_length", head_dim)) != head_dim:
+    cfg: dict[str, Any] = {"model_type": family.hf_model_types[0]}
+    for key, hf_key in (_HF_KEYS | dict(family.gguf_metadata)).items():
+        value = _field(reader, f"{arch}.{key}", None)
+        if value is not None:
+            cfg[hf_key] = value
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "rms_norm_eps"):
+        if key not in cfg:
+            raise ModelLoadError(f"GGUF metadata lacks the {arch} key for {key}")
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    head_dim = cfg["head_dim"]
+    if int(_field(reader, f"{arch}.attention.value_length", head_dim)) != head_dim:
         raise ModelLoadError(f"GGUF value_length differs from key_length {head_dim}; not supported")
-    if int(meta("rope.dimension_count", head_dim)) != head_dim:
+    if int(_field(reader, f"{arch}.rope.dimension_count", head_dim)) != head_dim:
         raise ModelLoadError(f"GGUF partial RoPE (rope.dimension_count != {head_dim=}) is not supported")
-    num_layers = int(meta("block_count"))
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": _field(reader, f"{arch}.rope.scaling.factor")}
+    elif scaling != "none":
+        raise ModelLoadError(f"GGUF rope scaling type {scaling!r} is not supported (supported: none, linear)")
     # GGML dims are innermost-first: token_embd is (hidden, vocab).
-    vocab_size = int(tensors["token_embd.weight"].shape[-1])
-    common = dict(
-        arch=arch,
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        max_position_embeddings=int(meta("context_length")),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        rope_scaling=_rope_scaling(meta),
-        tie_word_embeddings="output.weight" not in tensors,
-        name=str(_field(reader, "general.name", "")),
-    )
-    try:
-        if arch == "llama":
-            return ModelConfig(**common, rope_theta=float(meta("rope.freq_base", 10000.0)), activation="silu")
-        softcap = meta("attn_logit_softcapping", None)
-        final_softcap = meta("final_logit_softcapping", None)
-        return ModelConfig(
-            **common,
-            rope_theta=float(meta("rope.freq_base", 1_000_000.0)),
-            rope_local_theta=GEMMA3_LOCAL_ROPE_THETA,
-            sliding_window=int(meta("attention.sliding_window")),
-            layer_types=tuple(
-                "full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
-                for i in range(num_layers)
-            ),
-            activation="gelu_tanh",
-            # Hugging Face's query_pre_attn_scalar equals head_dim for the Gemma 3 sizes GGUF carries.
-            query_pre_attn_scalar=float(head_dim),
-            qk_norm=True,
-            sandwich_norms=True,
-            embed_scale=math.sqrt(hidden),
-            attn_logit_softcap=None if softcap is None else float(softcap),
-            final_logit_softcap=None if final_softcap is None else float(final_softcap),
-        )
-    except ValueError as e:
-        raise ModelLoadError(f"GGUF metadata gives an invalid config: {_first_line(e)}") from e
+    cfg["vocab_size"] = int(tensors["token_embd.weight"].shape[-1])
+    cfg["tie_word_embeddings"] = "output.weight" not in tensors
+    cfg["_name_or_path"] = str(_field(reader, "general.name", "")) or arch
+    if family.gguf_facts is not None:
+        cfg |= family.gguf_facts(cfg)
+    return cfg
 
 
 def load_gguf(
@@ -181,16 +161,21 @@ def load_gguf(
     """Reads config and weights from a GGUF file, dequantising (or, with int4, repacking 4-bit blocks)
     and placing one tensor at a time."""
     reader = open_gguf(path)
-    config = config_from_gguf(reader)
+    family = gguf_family(reader)
+    config = family.build_config(_hf_config_dict(reader, family))
     builder = ParamsBuilder(config, dtype=dtype, placement=placement)
     for tensor in reader.tensors:
-        key_path = _key_path(tensor.name)
+        key_path = _key_path(tensor.name, family)
         if key_path is None:
             raise ModelLoadError(f"GGUF tensor {tensor.name!r} has no place in the {config.arch} params")
-        if int4 and key_path[-1] in LINEAR_LEAVES and tensor.tensor_type in INT4_BLOCK_TYPES:
-            builder.put_quantized(key_path, _host_int4(tensor, key_path, config), source=tensor.name)
+        if isinstance(key_path[-1], tuple):  # a fused tensor (Phi-3's attn_qkv)
+            parts = tuple((*key_path[:-1], leaf) for leaf in key_path[-1])
+            builder.put_rows(parts, _host_tensor(tensor, key_path, family, config), source=tensor.name)
+        elif int4 and key_path[-1] in LINEAR_LEAVES and tensor.tensor_type in INT4_BLOCK_TYPES:
+            builder.put_quantized(key_path, _host_int4(tensor, key_path, family, config), source=tensor.name)
         else:
-            builder.put(key_path, _host_tensor(tensor, key_path, config), source=tensor.name, owned=True)
+            value = _host_tensor(tensor, key_path, family, config)
+            builder.put(key_path, value, source=tensor.name, owned=True)
     return LoadedModel(config=config, params=builder.finish(), kind="gguf", path=_reader_path(reader))
 
 
@@ -200,7 +185,10 @@ INT4_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 def linear_weights_are_4bit(reader: gguf.GGUFReader) -> bool:
     """Whether every linear weight of the layers is stored in a 4-bit block type (INT4_BLOCK_TYPES)."""
-    kinds = [t.tensor_type for t in reader.tensors if (_key_path(t.name) or ("",))[-1] in LINEAR_LEAVES]
+    family = gguf_family(reader)
+    kinds = [
+        t.tensor_type for t in reader.tensors if (_key_path(t.name, family) or ("",))[-1] in LINEAR_LEAVES
+    ]
     return bool(kinds) and all(kind in INT4_BLOCK_TYPES for kind in kinds)
 
 
@@ -239,11 +227,11 @@ def int4_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, 
     raise ValueError(f"{tensor_type.name} is not a 4-bit block type ({[t.name for t in INT4_BLOCK_TYPES]})")
 
 
-def _host_int4(tensor: Any, key_path: KeyPath, config: ModelConfig) -> Int4Weight:
+def _host_int4(tensor: Any, key_path: KeyPath, family: Family, config: ModelConfig) -> Int4Weight:
     """One 4-bit tensor as a host Int4Weight in our layout ([out, in], half-split Q/K rows)."""
     data = tensor.data.reshape(-1, tensor.data.shape[-1])
     q, scale, minimum = int4_blocks(data, tensor.tensor_type)
-    if config.arch == "llama" and key_path[-1] in ("q_proj", "k_proj"):
+    if family.gguf_permutes_qk and key_path[-1] in ("q_proj", "k_proj"):
         heads = config.num_heads if key_path[-1] == "q_proj" else config.num_kv_heads
         q, scale, minimum = (unpermute_rope_rows(a, heads) for a in (q, scale, minimum))
     return Int4Weight.from_values(q, scale, minimum, GGUF_BLOCK)
@@ -261,7 +249,7 @@ def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, half, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def _host_tensor(tensor: Any, key_path: KeyPath, config: ModelConfig) -> np.ndarray:
+def _host_tensor(tensor: Any, key_path: KeyPath, family: Family, config: ModelConfig) -> np.ndarray:
     """One tensor dequantised to a fresh float32 array in our layout ([out, in] for linears).
 
     Rows are dequantised in chunks into one preallocated array: dequantising a whole embedding at once
@@ -282,30 +270,22 @@ def _host_tensor(tensor: Any, key_path: KeyPath, config: ModelConfig) -> np.ndar
             f"{_first_line(e)}"
         ) from e
     value = value.reshape(tuple(reversed(tensor.shape.tolist())))
-    if config.arch == "llama" and key_path[-1] == "q_proj":
+    if family.gguf_permutes_qk and key_path[-1] == "q_proj":
         value = unpermute_rope_rows(value, config.num_heads)
-    elif config.arch == "llama" and key_path[-1] == "k_proj":
+    elif family.gguf_permutes_qk and key_path[-1] == "k_proj":
         value = unpermute_rope_rows(value, config.num_kv_heads)
     return value
 
 
-def _key_path(name: str) -> KeyPath | None:
+def _key_path(name: str, family: Family) -> tuple | None:
+    """Where a GGUF tensor goes in our params; a fused tensor's key path ends in a tuple of leaves."""
     if name in _TOP_TENSORS:
         return (_TOP_TENSORS[name],)
     prefix, _, rest = name.partition(".")
     index, _, suffix = rest.partition(".")
-    if prefix == "blk" and index.isdigit() and suffix in _LAYER_TENSORS:
-        return ("layers", int(index), _LAYER_TENSORS[suffix])
+    if prefix == "blk" and index.isdigit() and suffix in family.gguf_tensors:
+        return ("layers", int(index), family.gguf_tensors[suffix])
     return None
-
-
-def _rope_scaling(meta) -> RopeScaling:
-    kind = meta("rope.scaling.type", "none")
-    if kind == "none":
-        return RopeScaling()
-    if kind == "linear":
-        return RopeScaling(kind="linear", factor=float(meta("rope.scaling.factor")))
-    raise ModelLoadError(f"GGUF rope scaling type {kind!r} is not supported (supported: none, linear)")
 
 
 def _field(reader: gguf.GGUFReader, key: str, default: Any = _MISSING) -> Any:

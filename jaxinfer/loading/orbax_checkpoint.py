@@ -32,7 +32,7 @@ from jaxinfer.loading.common import (
     default_placement,
     expected_leaf_shapes,
 )
-from jaxinfer.params import Params, check_params
+from jaxinfer.models.params import Params, check_params
 from jaxinfer.quantization import map_weights, quantization_of
 from jaxinfer.weight_formats import abstract_weight, describe, is_quantized
 
@@ -55,6 +55,12 @@ def config_from_dict(d: dict) -> ModelConfig:
     """Inverse of config_to_dict; unknown keys raise ValueError (a newer or foreign file)."""
     if not isinstance(d, dict):
         raise ValueError(f"{type(d)=} must be a dict")
+    d = dict(d)
+    # Checkpoints written before norm placement and q/k norms had kinds held them as two booleans.
+    if isinstance(d.get("qk_norm"), bool):
+        d["qk_norm"] = "head" if d["qk_norm"] else "none"
+    if "sandwich_norms" in d:
+        d["norms"] = "sandwich" if d.pop("sandwich_norms") else "pre"
     known = {f.name for f in dataclasses.fields(ModelConfig)}
     unknown = sorted(set(d) - known)
     if unknown:

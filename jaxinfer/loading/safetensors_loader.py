@@ -4,10 +4,11 @@ The safetensors header is read here directly (8-byte little-endian length, a JSO
 little-endian data) and each tensor is a view into a read-only memory map, so bfloat16 works without
 torch and a tensor costs host memory only while it is being converted.
 
-Gemma 3 checkpoints store every RMSNorm weight as w with the model computing (1 + w); we fold the 1 in
-(params hold the effective multiplier). Both text-only (`model.layers...`) and multimodal Gemma 3
-(`model.language_model.layers...` / `language_model.model.layers...`) names are accepted; vision
-tensors are skipped.
+Tensor names and conventions come from the model's family (models/): Gemma checkpoints store every
+RMSNorm weight as w with the model computing (1 + w), and we fold the 1 in (params hold the effective
+multiplier); fused tensors split into their leaves; experts stored one by one stack into one leaf. Both
+text-only (`model.layers...`) and multimodal (`model.language_model.layers...` /
+`language_model.model.layers...`) names are accepted; vision tensors are skipped.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import ml_dtypes
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.loading.common import KeyPath, LoadedModel, ModelLoadError, ParamsBuilder, Placement
+from jaxinfer.loading.common import LoadedModel, ModelLoadError, ParamsBuilder, Placement
 from jaxinfer.loading.hf_config import config_from_hf
+from jaxinfer.models.families import family_named
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -43,27 +45,7 @@ _SKIPPED_PREFIXES = (
     "model.multi_modal_projector.",
 )
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
-_COMMON_LAYER_TENSORS = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q_proj",
-    "self_attn.k_proj.weight": "k_proj",
-    "self_attn.v_proj.weight": "v_proj",
-    "self_attn.o_proj.weight": "o_proj",
-    "mlp.gate_proj.weight": "gate_proj",
-    "mlp.up_proj.weight": "up_proj",
-    "mlp.down_proj.weight": "down_proj",
-}
-_LAYER_TENSORS = {
-    "llama": _COMMON_LAYER_TENSORS | {"post_attention_layernorm.weight": "mlp_norm"},
-    "gemma3": _COMMON_LAYER_TENSORS
-    | {
-        "self_attn.q_norm.weight": "q_norm",
-        "self_attn.k_norm.weight": "k_norm",
-        "post_attention_layernorm.weight": "post_attn_norm",
-        "pre_feedforward_layernorm.weight": "mlp_norm",
-        "post_feedforward_layernorm.weight": "post_mlp_norm",
-    },
-}
+_EXPERT_NAME = re.compile(r"(.*experts\.)(\d+)(\..+)")  # "mlp.experts.7.up_proj.weight"
 
 
 def load_safetensors(
@@ -82,15 +64,23 @@ def load_safetensors(
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from e
     config = config_from_hf(config_dict)
+    family = family_named(config.arch)
     builder = ParamsBuilder(config, dtype=dtype, placement=placement)
     for file in safetensors_files(directory):
         for name, value in read_safetensors(file):
-            key_path = hf_key_path(name, config)
-            if key_path is None:
+            place = hf_key_path(name, config)
+            if place is None:
                 continue
-            if config.arch == "gemma3" and key_path[-1].endswith("norm"):
-                value = value.astype(np.float32) + np.float32(1.0)  # a small fresh array; no aliasing needed
-            builder.put(key_path, value, source=f"{file.name}:{name}")
+            key_path, expert = place
+            source = f"{file.name}:{name}"
+            if family.hf_norm_offset and key_path[-1].endswith("norm"):
+                value = value.astype(np.float32) + np.float32(family.hf_norm_offset)  # small and fresh
+            if isinstance(key_path[-1], tuple):
+                builder.put_rows(tuple((*key_path[:-1], leaf) for leaf in key_path[-1]), value, source=source)
+            elif expert is not None:
+                builder.put_expert(key_path, expert, value, source=source)
+            else:
+                builder.put(key_path, value, source=source)
     return LoadedModel(config=config, params=builder.finish(), kind="hf", path=directory)
 
 
@@ -156,18 +146,25 @@ def read_safetensors(path: Path) -> Iterator[tuple[str, np.ndarray]]:
         yield name, data[begin:end].view(dtype).reshape(shape)
 
 
-def hf_key_path(name: str, config: ModelConfig) -> KeyPath | None:
-    """Where a Hugging Face tensor goes in our params; None for tensors we skip."""
+def hf_key_path(name: str, config: ModelConfig) -> tuple[tuple, int | None] | None:
+    """Where a Hugging Face tensor goes in our params: (key path, expert index or None), the key path's
+    last entry a tuple of leaves for a fused tensor; None for tensors we skip."""
     if name in _LM_HEAD_NAMES:
-        return None if config.tie_word_embeddings else ("lm_head",)
+        return None if config.tie_word_embeddings else (("lm_head",), None)
     if name.startswith(_SKIPPED_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
         return None
     inner = next((name[len(p) :] for p in _MODEL_PREFIXES if name.startswith(p)), None)
     if inner == "embed_tokens.weight":
-        return ("embed",)
+        return ("embed",), None
     if inner == "norm.weight":
-        return ("final_norm",)
+        return ("final_norm",), None
     match = _LAYER_NAME.fullmatch(inner or "")
-    if match and match.group(2) in _LAYER_TENSORS[config.arch]:
-        return ("layers", int(match.group(1)), _LAYER_TENSORS[config.arch][match.group(2)])
+    if match:
+        tensors, suffix, expert = family_named(config.arch).hf_tensors, match.group(2), None
+        expert_match = _EXPERT_NAME.fullmatch(suffix)
+        if expert_match and suffix not in tensors:
+            suffix = expert_match.group(1) + "*" + expert_match.group(3)
+            expert = int(expert_match.group(2))
+        if suffix in tensors:
+            return ("layers", int(match.group(1)), tensors[suffix]), expert
     raise ModelLoadError(f"tensor {name!r} has no place in the {config.arch} params")

@@ -1,4 +1,4 @@
-"""The weights pytree: plain nested dicts of arrays, one layout for both model families.
+"""The weights pytree: plain nested dicts of arrays, one layout for every model family.
 
     params = {
       "embed":      [vocab, hidden]
@@ -6,19 +6,24 @@
       "lm_head":    [vocab, hidden]          # absent when config.tie_word_embeddings
       "layers": [                            # a list, one dict per layer
         {
-          "attn_norm":      [hidden]
+          "attn_norm":      [hidden]          # norms "pre" and "sandwich"
           "q_proj":         [num_heads * head_dim, hidden]
           "k_proj":         [num_kv_heads * head_dim, hidden]
           "v_proj":         [num_kv_heads * head_dim, hidden]
+          "q_bias", "k_bias", "v_bias": [rows of q/k/v_proj]   # qkv_bias only (Qwen 2)
           "o_proj":         [hidden, num_heads * head_dim]
-          "q_norm":         [head_dim]        # qk_norm only (Gemma 3)
-          "k_norm":         [head_dim]        # qk_norm only
-          "post_attn_norm": [hidden]          # sandwich_norms only (Gemma 3)
-          "mlp_norm":       [hidden]
-          "post_mlp_norm":  [hidden]          # sandwich_norms only
-          "gate_proj":      [intermediate, hidden]
+          "q_norm":         [head_dim], or [num_heads * head_dim] for qk_norm "projection"
+          "k_norm":         [head_dim], or [num_kv_heads * head_dim]            # qk_norm only
+          "post_attn_norm": [hidden]          # norms "sandwich" and "post"
+          "mlp_norm":       [hidden]          # norms "pre" and "sandwich"
+          "post_mlp_norm":  [hidden]          # norms "sandwich" and "post"
+          "gate_proj":      [intermediate, hidden]     # dense MLP
           "up_proj":        [intermediate, hidden]
           "down_proj":      [hidden, intermediate]
+          "router":         [experts, hidden]          # mixture of experts instead of the dense MLP
+          "expert_gate":    [experts, expert_intermediate, hidden]
+          "expert_up":      [experts, expert_intermediate, hidden]
+          "expert_down":    [experts, hidden, expert_intermediate]
         }, ...
       ]
     }
@@ -50,21 +55,37 @@ Params = dict[str, Any]
 def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Shape of every leaf of one layer's dict."""
     c = config
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {
-        "attn_norm": (c.hidden_size,),
-        "q_proj": (c.num_heads * c.head_dim, c.hidden_size),
-        "k_proj": (c.num_kv_heads * c.head_dim, c.hidden_size),
-        "v_proj": (c.num_kv_heads * c.head_dim, c.hidden_size),
-        "o_proj": (c.hidden_size, c.num_heads * c.head_dim),
-        "mlp_norm": (c.hidden_size,),
-        "gate_proj": (c.intermediate_size, c.hidden_size),
-        "up_proj": (c.intermediate_size, c.hidden_size),
-        "down_proj": (c.hidden_size, c.intermediate_size),
+        "q_proj": (q_rows, c.hidden_size),
+        "k_proj": (kv_rows, c.hidden_size),
+        "v_proj": (kv_rows, c.hidden_size),
+        "o_proj": (c.hidden_size, q_rows),
     }
-    if c.qk_norm:
+    if c.qkv_bias:
+        shapes |= {"q_bias": (q_rows,), "k_bias": (kv_rows,), "v_bias": (kv_rows,)}
+    if c.qk_norm == "head":
         shapes |= {"q_norm": (c.head_dim,), "k_norm": (c.head_dim,)}
-    if c.sandwich_norms:
+    elif c.qk_norm == "projection":
+        shapes |= {"q_norm": (q_rows,), "k_norm": (kv_rows,)}
+    if c.norms in ("pre", "sandwich"):
+        shapes |= {"attn_norm": (c.hidden_size,), "mlp_norm": (c.hidden_size,)}
+    if c.norms in ("sandwich", "post"):
         shapes |= {"post_attn_norm": (c.hidden_size,), "post_mlp_norm": (c.hidden_size,)}
+    if c.num_experts:
+        experts, inner = c.num_experts, c.expert_intermediate_size
+        shapes |= {
+            "router": (experts, c.hidden_size),
+            "expert_gate": (experts, inner, c.hidden_size),
+            "expert_up": (experts, inner, c.hidden_size),
+            "expert_down": (experts, c.hidden_size, inner),
+        }
+    else:
+        shapes |= {
+            "gate_proj": (c.intermediate_size, c.hidden_size),
+            "up_proj": (c.intermediate_size, c.hidden_size),
+            "down_proj": (c.hidden_size, c.intermediate_size),
+        }
     return shapes
 
 
@@ -110,7 +131,11 @@ def check_params(config: ModelConfig, params: Params) -> None:
             raise ValueError(f"layer {i} params {got} do not match the config's {expected}")
 
 
-FUSED_PROJECTIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "qkv_bias": ("q_bias", "k_bias", "v_bias"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 
 
 def fuse_projections(params: Params) -> Params:

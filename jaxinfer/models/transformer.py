@@ -1,4 +1,7 @@
-"""The transformer forward pass for the Llama family and Gemma 3, as pure functions over a params pytree.
+"""The transformer forward pass every model family shares, as pure functions over a params pytree.
+
+A family's differences are ModelConfig flags read here (norm placement, q/k norms, biases, soft-capping,
+local layers, mixture-of-experts MLPs); models/<family>.py says which flags a family sets.
 
 One function serves prefill and decode: `forward` takes `tokens [batch, seq]` at absolute `positions`,
 writes their K/V into the pages of the paged cache that each row's page table names, and attends over
@@ -11,6 +14,7 @@ h head, d head dim.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -28,7 +32,8 @@ from jaxinfer.kernel_dispatch import (
     prefill_attention_pallas,
 )
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.params import Params
+from jaxinfer.models.moe import moe_mlp
+from jaxinfer.models.params import Params
 
 XLA_KERNELS = KernelConfig()  # the plain-JAX reference path
 
@@ -107,19 +112,26 @@ def _layer(
     b, t, _ = x.shape
     sliding = c.layer_types[index] == "sliding_attention"
 
-    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+    h = rms_norm(x, p["attn_norm"], c.rms_norm_eps) if c.norms != "post" else x
     if "qkv_proj" in p:  # fused at load (params.fuse_projections)
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         qkv = linear(h, p["qkv_proj"], kernels)
+        if c.qkv_bias:
+            qkv = qkv + p["qkv_bias"].astype(qkv.dtype)
         q, k, v = qkv[..., :q_size], qkv[..., q_size : q_size + kv_size], qkv[..., q_size + kv_size :]
     else:
         q, k, v = (linear(h, p[name], kernels) for name in ("q_proj", "k_proj", "v_proj"))
+        if c.qkv_bias:
+            q, k, v = (
+                y + p[name].astype(y.dtype) for y, name in zip((q, k, v), ("q_bias", "k_bias", "v_bias"))
+            )
+    if c.qk_norm == "projection":
+        q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
     q = q.reshape(b, t, c.num_heads, c.head_dim)
     k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
-    if c.qk_norm:
-        q = rms_norm(q, p["q_norm"], c.rms_norm_eps)
-        k = rms_norm(k, p["k_norm"], c.rms_norm_eps)
+    if c.qk_norm == "head":
+        q, k = rms_norm(q, p["q_norm"], c.rms_norm_eps), rms_norm(k, p["k_norm"], c.rms_norm_eps)
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
@@ -141,20 +153,32 @@ def _layer(
         keys, values = cache.read(index, page_table)  # [kv_heads, b, pages * page_size, d]
         attn = attention_xla(q, keys, values, bias, scale=c.attn_scale, softcap=c.attn_logit_softcap)
     attn = linear(attn.reshape(b, t, c.num_heads * c.head_dim), p["o_proj"], kernels)
-    if c.sandwich_norms:
+    if c.norms != "pre":
         attn = rms_norm(attn, p["post_attn_norm"], c.rms_norm_eps)
     x = x + attn
 
-    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+    h = rms_norm(x, p["mlp_norm"], c.rms_norm_eps) if c.norms != "post" else x
+    h = _mlp(c, p, h, kernels)
+    if c.norms != "pre":
+        h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps)
+    return x + h, cache
+
+
+def _mlp(config: ModelConfig, p: dict[str, jax.Array], h: jax.Array, kernels: KernelConfig) -> jax.Array:
+    """The gated MLP, dense or mixture-of-experts: [b, t, hidden] -> [b, t, hidden]."""
+    if config.num_experts:
+        b, t, hidden = h.shape
+        out = moe_mlp(
+            h.reshape(b * t, hidden), p["router"], p["expert_gate"], p["expert_up"], p["expert_down"],
+            experts_per_token=config.experts_per_token, normalize=config.normalize_expert_weights,
+            activation=functools.partial(gated_activation, config), kernels=kernels,
+        )  # fmt: skip
+        return out.reshape(b, t, hidden)
     if "gate_up_proj" in p:
         gate, up = jnp.split(linear(h, p["gate_up_proj"], kernels), 2, axis=-1)
     else:
         gate, up = linear(h, p["gate_proj"], kernels), linear(h, p["up_proj"], kernels)
-    h = gated_activation(c, gate, up)
-    h = linear(h, p["down_proj"], kernels)
-    if c.sandwich_norms:
-        h = rms_norm(h, p["post_mlp_norm"], c.rms_norm_eps)
-    return x + h, cache
+    return linear(gated_activation(config, gate, up), p["down_proj"], kernels)
 
 
 def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:

@@ -24,8 +24,8 @@ import optax
 
 from jaxinfer.config import KernelConfig, ModelConfig
 from jaxinfer.evaluation import cache_for
-from jaxinfer.models.transformer import embed_tokens, layer_runner
 from jaxinfer.models.params import Params
+from jaxinfer.models.transformer import embed_tokens, layer_runner
 from jaxinfer.quantization import INT4_GROUP_SIZE, LINEAR_LEAVES
 from jaxinfer.weight_formats import int4_grid, int4_group_size
 

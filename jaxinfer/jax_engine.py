@@ -33,8 +33,8 @@ from jaxinfer import engine as api
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS, native_decode_attention
 from jaxinfer.kv_cache import KVCache, init_cache
-from jaxinfer.models.transformer import forward
 from jaxinfer.models.params import Params
+from jaxinfer.models.transformer import forward
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec

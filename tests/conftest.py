@@ -149,6 +149,15 @@ def _tiny_llama_with_real_vocab(directory, **dims):
 
 
 @pytest.fixture(scope="session")
+def vocab_tokenizer():
+    """SmolLM2's real tokenizer, saved beside tiny random checkpoints of every family."""
+    from jaxinfer.registry import resolve_model
+    from jaxinfer.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(resolve_model("smollm2-135m-instruct")[1])
+
+
+@pytest.fixture(scope="session")
 def tiny_with_tokenizer(tmp_path_factory):
     """A tiny random Llama over SmolLM2's real vocabulary, with its tokenizer saved beside it."""
     return _tiny_llama_with_real_vocab(

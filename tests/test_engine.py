@@ -14,8 +14,8 @@ from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, DecodeBatch, PrefillChun
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
-from jaxinfer.models.transformer import XLA_KERNELS, forward
 from jaxinfer.models.params import random_params
+from jaxinfer.models.transformer import XLA_KERNELS, forward
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
 from jaxinfer.testing import IdTokenizer, paged_cache_config, scattered_page_table

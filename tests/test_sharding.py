@@ -21,8 +21,8 @@ from jaxinfer.engine import DecodeBatch
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
-from jaxinfer.models.transformer import forward
 from jaxinfer.models.params import random_params
+from jaxinfer.models.transformer import forward
 from jaxinfer.quantization import quantize_params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import (

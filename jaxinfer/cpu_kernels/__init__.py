@@ -7,6 +7,7 @@ from jaxinfer.cpu_kernels.decode_attention import (
     decode_attention_cpu_reference,
 )
 from jaxinfer.cpu_kernels.decode_attention import supports as decode_attention_supports
+from jaxinfer.cpu_kernels.grouped_matmul import grouped_matmul_available as grouped_matmul_available
 from jaxinfer.cpu_kernels.int4_matmul import (
     int4_matmul_available,
     int4_matmul_cpu,

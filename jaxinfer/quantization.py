@@ -2,6 +2,8 @@
 
 The formats themselves are weight_formats' types. `quantize_params(params, mode)`:
   int8: every linear weight [out, in] and the embedding table [vocab, hidden] become Int8Weight.
+  int8 and int4: mixture-of-experts weights [experts, out, in] become Int8Weight with a scale per expert
+        and output channel (models/moe.py's grouped matmuls read them).
   int4: the linear weights of every layer become Int4Weight (groups of 32 inputs, round-to-nearest or
         with clipping ranges from int4_calibration.calibrate_int4); the embedding table and an untied
         lm_head become Int8Weight, as llama.cpp's 4-bit files keep them at 6-8 bits: they are a small
@@ -46,7 +48,10 @@ LINEAR_LEAVES = frozenset(
     | {"qkv_proj", "gate_up_proj"}  # fused forms (params.fuse_projections)
 )
 TABLE_LEAVES = frozenset({"embed", "lm_head"})
-QUANTIZED_LEAVES = LINEAR_LEAVES | TABLE_LEAVES
+# Stacked expert weights [experts, out, in] go int8 in both modes (no int4 grouped-matmul kernel yet);
+# the router stays float: it is small and picks the experts.
+EXPERT_LEAVES = frozenset({"expert_gate", "expert_up", "expert_down"})
+QUANTIZED_LEAVES = LINEAR_LEAVES | TABLE_LEAVES | EXPERT_LEAVES
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # GGUF's block; 128 halves the scale bytes at some cost in accuracy
 
@@ -80,7 +85,8 @@ def quantize_params(
     def quantize(path: tuple, name: str, w):
         if name not in QUANTIZED_LEAVES or is_quantized(w):
             return w
-        group = int4_group_size(w.shape[1], group_size) if mode == "int4" and name in LINEAR_LEAVES else None
+        int4 = mode == "int4" and name in LINEAR_LEAVES
+        group = int4_group_size(w.shape[1], group_size) if int4 else None
         if group is not None:
             return _consume(_quantize_int4, w, group_size=group, clip=clips.get(path))
         return _consume(_quantize_int8, w)
@@ -102,11 +108,16 @@ def map_weights(params: Params, fn) -> Params:
 _dequantize_bf16 = jax.jit(lambda w: w.dequantize(jnp.bfloat16))
 
 
+def _is_matrix_int8(w) -> bool:
+    """An Int8Weight of one [out, in] matrix (stacked expert weights have their own kernels)."""
+    return isinstance(w, Int8Weight) and len(w.shape) == 2
+
+
 def add_bf16_copies(params: Params) -> Params:
-    """Adds a bf16 dequantised copy to every Int8Weight that lacks one (same sharding as q)."""
+    """Adds a bf16 dequantised copy to every Int8Weight matrix that lacks one (same sharding as q)."""
 
     def copy(path, name: str, w):
-        if isinstance(w, Int8Weight) and w.bf16 is None:
+        if _is_matrix_int8(w) and w.bf16 is None:
             return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w))
         return w
 
@@ -127,7 +138,7 @@ def add_vnni_weights(params: Params, keep_int8: bool = True) -> Params:
     is a native kernel already, and the tables are most of its bytes (Gemma 3's 262k x 640 embedding)."""
 
     def add(path, name: str, w):
-        if not isinstance(w, Int8Weight) or w.vnni is not None:
+        if not _is_matrix_int8(w) or w.vnni is not None:
             return w
         if supports_vnni(*w.shape):
             return Int8Weight(w.q if keep_int8 else None, w.scale, _pack_vnni(w.q), w.bf16)

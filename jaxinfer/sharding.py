@@ -2,9 +2,11 @@
 
 Mesh axes:
   data   - independent decode slots (the KV cache's slot axis).
-  tensor - Megatron-style model parallelism: attention heads and MLP columns.
+  expert - expert parallelism: a mixture-of-experts layer's experts split over devices.
+  tensor - Megatron-style model parallelism: attention heads and MLP columns (within each expert too).
 
-Weights are [out, in] (see models/params.py): column-parallel layers split `out`, row-parallel layers split `in`.
+Weights are [out, in] (see models/params.py): column-parallel layers split `out`, row-parallel layers
+split `in`; stacked expert weights [experts, out, in] split `experts` over `expert` as well.
 A quantised weight (weight_formats.py) follows its layer's rule in each of its arrays: int8 q [out, in]
 and int4 packed [out, in/2] take the rule, scales [out] or [out, groups] its leading entries. A weight
 whose dims do not divide over the mesh is replicated; a split is by shape only, so q/k/v rows may split
@@ -25,7 +27,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-DATA, TENSOR = "data", "tensor"
+DATA, EXPERT, TENSOR = "data", "expert", "tensor"
+AXES = (DATA, EXPERT, TENSOR)
 REPLICATED = P()
 
 # Weight name -> PartitionSpec of its [out, in] matrix. Unlisted weights (norms) are replicated.
@@ -35,33 +38,40 @@ PARAM_RULES: dict[str, P] = {
     "q_proj": P(TENSOR, None),  # column-parallel: heads
     "k_proj": P(TENSOR, None),
     "v_proj": P(TENSOR, None),
+    "q_bias": P(TENSOR),  # with their projections' rows
+    "k_bias": P(TENSOR),
+    "v_bias": P(TENSOR),
     "gate_proj": P(TENSOR, None),  # column-parallel: MLP columns
     "up_proj": P(TENSOR, None),
     "o_proj": P(None, TENSOR),  # row-parallel: one all-reduce after attention
     "down_proj": P(None, TENSOR),  # row-parallel: one all-reduce after the MLP
+    "expert_gate": P(EXPERT, TENSOR, None),  # [experts, inter, hidden]
+    "expert_up": P(EXPERT, TENSOR, None),
+    "expert_down": P(EXPERT, None, TENSOR),  # [experts, hidden, inter]
 }
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (data, tensor) mesh; `shape` like {"data": 2, "tensor": 4}. Default: one device.
+    """A (data, expert, tensor) mesh; `shape` like {"data": 2, "tensor": 4}; absent axes have size 1.
+    Default: one device.
 
-    Devices fill the grid row by row in `jax.devices()` order (process by process), so a tensor group
-    stays inside one host whenever `tensor` divides the devices per host.
+    Devices fill the grid row by row in `jax.devices()` order (process by process), tensor fastest, so a
+    tensor group stays inside one host whenever `tensor` divides the devices per host.
     """
-    shape = dict(shape or {DATA: 1, TENSOR: 1})
-    unknown = set(shape) - {DATA, TENSOR}
+    shape = dict(shape or {})
+    unknown = set(shape) - set(AXES)
     if unknown:
-        raise ValueError(f"unknown mesh axes {sorted(unknown)}; use {DATA!r} and {TENSOR!r}")
-    dims = (shape.get(DATA, 1), shape.get(TENSOR, 1))
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; use {', '.join(map(repr, AXES))}")
+    dims = tuple(shape.get(axis, 1) for axis in AXES)
     if min(dims) < 1:
         raise ValueError(f"mesh sizes must be >= 1, got {shape=}")
     devices = list(devices if devices is not None else jax.devices())
-    needed = dims[0] * dims[1]
+    needed = int(np.prod(dims))
     if needed > len(devices):
         raise ValueError(f"mesh {shape} needs {needed} devices, only {len(devices)} available")
     grid = np.array(devices[:needed]).reshape(dims)
     # Auto axis types: XLA propagates shardings through matmuls (Explicit needs out_sharding= everywhere).
-    return Mesh(grid, (DATA, TENSOR), axis_types=(AxisType.Auto, AxisType.Auto))
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
 
 
 def parse_mesh(text: str) -> dict[str, int]:

@@ -69,7 +69,7 @@ class Int8Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         q = self.q if self.q is not None else self.rows(jnp.arange(self.shape[0]))
-        return (q.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
+        return (q.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
 
 
 @functools.partial(
@@ -155,7 +155,10 @@ def logical_shape(w) -> tuple[int, ...]:
 
 
 def quantize_int8(w: jax.Array) -> Int8Weight:
-    """Symmetric per-output-channel int8 of a float [out, in]; all-zero rows get scale 1."""
+    """Symmetric per-output-channel int8 of a float [out, in], or of each expert's [out, in] in a stacked
+    [experts, out, in] (scale [experts, out]); all-zero rows get scale 1."""
+    if w.ndim == 3:
+        return Int8Weight(*jax.vmap(pallas_kernels.quantize_int8)(w))
     return Int8Weight(*pallas_kernels.quantize_int8(w))
 
 

@@ -33,8 +33,10 @@ from jaxinfer.testing import paged_cache_config
 
 ATOL = 1e-4
 SEQ_LEN = 45
-# transformers reads these GGUF architectures itself (transformers.integrations.ggml).
-TRANSFORMERS_READS_GGUF = ("llama", "qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3")
+# Families whose GGUF files transformers reads itself (transformers.integrations.ggml). Not Mixtral, whose
+# "llama" files it reads as a dense Llama, nor Qwen3-MoE, whose expert size and routing normalisation it
+# takes from its class defaults rather than from the file and llama.cpp.
+TRANSFORMERS_READS_GGUF = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 _TOP_GGUF_NAMES = {
     "embed": "token_embd.weight",
     "final_norm": "output_norm.weight",
@@ -178,9 +180,10 @@ def write_gguf(directory: Path, path: Path, arch: str) -> None:
 def assert_gguf_matches(directory: Path, model: torch.nn.Module, tokens: np.ndarray, full, arch: str) -> None:
     path = directory / "model.gguf"
     write_gguf(directory, path, arch)
-    got = full_logits(load_model(str(path)), tokens)
+    loaded = load_model(str(path))
+    got = full_logits(loaded, tokens)
     assert np.abs(got - full).max() < ATOL
-    if arch in TRANSFORMERS_READS_GGUF:
+    if loaded.config.arch in TRANSFORMERS_READS_GGUF:
         theirs = transformers.AutoModelForCausalLM.from_pretrained(
             directory, gguf_file=path.name, dtype=torch.float32
         ).eval()

@@ -27,6 +27,7 @@ from jaxinfer.quantization import quantize_params
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import (
     DATA,
+    EXPERT,
     REPLICATED,
     TENSOR,
     key_path_names,
@@ -52,19 +53,32 @@ GEMMA = ModelConfig(
     tie_word_embeddings=True, activation="gelu_tanh", query_pre_attn_scalar=24.0, qk_norm="head",
     norms="sandwich", embed_scale=8.0,
 )  # fmt: skip
+MOE = ModelConfig(
+    arch="mixtral", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, max_position_embeddings=256, num_experts=8, experts_per_token=2,
+    expert_intermediate_size=32,
+)  # fmt: skip
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
 MESHES = {"1x2": (1, 2), "1x4": (1, 4), "2x4": (2, 4)}  # data x tensor; 1x1 is the reference
+# Expert parallelism, alone and beside the other axes.
+MOE_MESHES = {"e4t2": {EXPERT: 4, TENSOR: 2}, "d2e4": {DATA: 2, EXPERT: 4}}
 CACHE = paged_cache_config(4, 64)
 
 
 def _mesh(name: str):
+    if name in MOE_MESHES:
+        return make_mesh(MOE_MESHES[name])
     data, tensor = MESHES.get(name, (1, 1))
     return make_mesh({DATA: data, TENSOR: tensor})
 
 
 @functools.cache
 def _params(arch: str):
-    return random_params(CONFIGS[arch], seed=11)
+    return random_params(_config(arch), seed=11)
+
+
+def _config(arch: str) -> ModelConfig:
+    return MOE if arch == "moe" else CONFIGS[arch]
 
 
 def _prompts() -> list[list[int]]:
@@ -97,7 +111,7 @@ def test_param_rules_split_divisible_dims_and_replicate_the_rest():
 def test_mesh_construction_validates():
     assert parse_mesh("data=2, tensor=4") == {DATA: 2, TENSOR: 4}
     mesh = make_mesh({TENSOR: 4})
-    assert dict(mesh.shape) == {DATA: 1, TENSOR: 4}
+    assert dict(mesh.shape) == {DATA: 1, EXPERT: 1, TENSOR: 4}
     assert list(mesh.devices.flat) == jax.devices()[:4]
     with pytest.raises(ValueError, match="needs 16 devices"):
         make_mesh({DATA: 4, TENSOR: 4})
@@ -123,7 +137,7 @@ def _two_steps(params, cache, prompt, *, config):
 
 @functools.cache
 def _forward_logits(arch: str, mesh_name: str, quantize: str = "none"):
-    config, mesh = CONFIGS[arch], _mesh(mesh_name)
+    config, mesh = _config(arch), _mesh(mesh_name)
     params = _params(arch)
     if quantize != "none":  # quantize_params consumes its input
         params = quantize_params(jax.tree.map(jnp.copy, params), quantize)
@@ -166,13 +180,31 @@ def test_int4_weights_split_over_tensor_and_match_one_device(arch):
     np.testing.assert_allclose(got_d[1], want_d[1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("mesh_name", list(MOE_MESHES))
+def test_moe_experts_split_over_expert_axis_and_match_one_device(mesh_name):
+    mesh = _mesh(mesh_name)
+    layer = shard_params(_params("moe"), mesh)["layers"][0]
+    assert layer["expert_gate"].sharding.spec == P(EXPERT, TENSOR, None)
+    assert layer["expert_down"].sharding.spec == P(EXPERT, None, TENSOR)
+    assert layer["expert_gate"].addressable_shards[0].data.shape[0] == 8 // mesh.shape[EXPERT]
+    for quantize in ("none", "int8"):
+        want_p, want_d = _forward_logits("moe", "1x1", quantize)
+        got_p, got_d = _forward_logits("moe", mesh_name, quantize)
+        np.testing.assert_allclose(got_p, want_p, atol=1e-4, rtol=0)
+        np.testing.assert_allclose(got_d[1], want_d[1], atol=1e-4, rtol=0)
+
+
+def test_moe_engine_greedy_tokens_match_one_device():
+    assert _greedy("moe", "e4t2") == _greedy("moe", "1x1")
+
+
 # -- The engine: prefill, decode and continuous batching ----------------------------------------------------
 
 
 @functools.cache
 def _engine(arch: str, mesh_name: str) -> JaxEngine:
     engine = JaxEngine(
-        _params(arch), CONFIGS[arch], CACHE, mesh=_mesh(mesh_name), max_prefill_chunk=16,
+        _params(arch), _config(arch), CACHE, mesh=_mesh(mesh_name), max_prefill_chunk=16,
         min_attend_bucket=64,
     )  # fmt: skip
     engine.warmup()

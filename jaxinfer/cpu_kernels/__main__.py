@@ -16,6 +16,7 @@ def main() -> None:
         ("int8 matmul", "int8_matmul_vnni"),
         ("int4 matmul", "int4_matmul"),
         ("decode attention", "decode_attention"),
+        ("grouped matmul", "grouped_matmul"),
     ]:
         kernel = importlib.import_module(f"jaxinfer.cpu_kernels.{module}").KERNEL
         isa = kernel.chosen_isa()

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.family import ModelLoadError
 from jaxinfer.models.params import Params, check_params, layer_shapes, top_shapes
 from jaxinfer.weight_formats import logical_shape
 
@@ -29,10 +30,6 @@ LoadKind = Literal["gguf", "hf", "orbax"]
 # Weight dtypes a loader can produce; norms and everything else are cast to the same dtype.
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 _HOST_ALIGNMENT = 64
-
-
-class ModelLoadError(ValueError):
-    """A weights file that is missing, corrupt, or describes something jaxinfer does not support."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,11 +5,21 @@ Adding a family: a file in this package with its `FAMILY` (models/family.py), li
 
 from __future__ import annotations
 
-from jaxinfer.loading.common import ModelLoadError
-from jaxinfer.models import gemma3, llama, mistral
-from jaxinfer.models.family import Family
+from jaxinfer.models import gemma2, gemma3, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe
+from jaxinfer.models.family import Family, ModelLoadError
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, mistral.FAMILY, gemma3.FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY,
+    mistral.FAMILY,
+    gemma3.FAMILY,
+    mixtral.FAMILY,
+    qwen3_moe.FAMILY,
+    gemma2.FAMILY,
+    olmo2.FAMILY,
+    qwen2.FAMILY,
+    qwen3.FAMILY,
+    phi3.FAMILY,
+)
 BY_NAME = {family.name: family for family in FAMILIES}
 
 
@@ -30,12 +40,10 @@ def family_for_hf(model_type: str | None) -> Family:
 
 
 def family_for_gguf(arch: str, num_experts: int = 0) -> Family:
-    """The family of a GGUF file's `general.architecture`; llama.cpp writes Mixtral as "llama" with
-    experts."""
-    if arch == "llama" and num_experts and "mixtral" in BY_NAME:
-        return BY_NAME["mixtral"]
-    for family in FAMILIES:
-        if arch in family.gguf_archs:
-            return family
+    """The family of a GGUF file's `general.architecture`, told apart by experts where two share one
+    (llama.cpp writes Mixtral as "llama" with an expert count)."""
+    candidates = [family for family in FAMILIES if arch in family.gguf_archs]
+    if candidates:
+        return next((c for c in candidates if c.moe == bool(num_experts)), candidates[0])
     supported = sorted(a for family in FAMILIES for a in family.gguf_archs)
     raise ModelLoadError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")

@@ -27,7 +27,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.loading.common import ModelLoadError
+
+
+class ModelLoadError(ValueError):
+    """A weights file that is missing, corrupt, or describes something jaxinfer does not support."""
+
 
 Leaf = str | tuple[str, ...]
 SUPPORTED_ROPE_KINDS = ("default", "linear", "llama3")
@@ -91,6 +95,7 @@ class Family:
     gguf_facts: Hugging Face keys a GGUF file leaves out, from the keys it has (e.g. Gemma's query
         scale); applied after gguf_metadata.
     gguf_permutes_qk: llama.cpp stores Q/K rows permuted for adjacent-pair RoPE (its "llama" arch).
+    moe: a mixture-of-experts family (tells Mixtral from Llama, both "llama" in GGUF files).
     hf_norm_offset: added to every Hugging Face norm weight (Gemma stores w for a (1 + w) multiplier;
         GGUF files hold the sum already).
     """
@@ -106,6 +111,7 @@ class Family:
     gguf_facts: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     gguf_permutes_qk: bool = False
     hf_norm_offset: float = 0.0
+    moe: bool = False
 
     def build_config(self, config_dict: Mapping[str, Any]) -> ModelConfig:
         """The ModelConfig for a Hugging Face style config dict; absent keys take hf_defaults."""
@@ -177,7 +183,9 @@ def rope_parameters(cfg: Mapping[str, Any], layer_type: str) -> dict[str, Any]:
     # Older files: rope_theta + rope_scaling for global layers, rope_local_base_freq for Gemma's local ones.
     if layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
         return {"rope_type": "default", "rope_theta": cfg["rope_local_base_freq"]}
-    return {"rope_type": "default"} | (cfg.get("rope_scaling") or {}) | {"rope_theta": cfg["rope_theta"]}
+    scaling = dict(cfg.get("rope_scaling") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))  # older files name it "type"
+    return scaling | {"rope_type": kind, "rope_theta": cfg["rope_theta"]}
 
 
 def rope_scaling_from_hf(rope: Mapping[str, Any]) -> RopeScaling:

@@ -3,7 +3,8 @@ local sliding-window layers with their own RoPE base between global ones.
 
 Hugging Face stores each norm weight as w for a (1 + w) multiplier; llama.cpp stores the sum. GGUF
 files leave out the layer pattern and the local RoPE base (the transformers defaults, every sixth layer
-global and base 10000, fill them) and the query scale (head_dim for the sizes llama.cpp converts).
+global and base 10000, fill them) and the query scale (head_dim, or hidden / heads for the 27B model,
+as llama.cpp computes it).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import math
 from typing import Any
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.loading.common import ModelLoadError
 from jaxinfer.models import family as f
+from jaxinfer.models.family import ModelLoadError
 
 # transformers' Gemma3TextConfig defaults for the keys we read.
 HF_DEFAULTS: dict[str, Any] = {
@@ -83,9 +84,15 @@ def _config(cfg: dict[str, Any]) -> ModelConfig:
     )
 
 
-def gguf_query_scale(cfg: dict[str, Any]) -> dict[str, Any]:
+LAYERS_27B = 62  # Gemma 3 27B, which llama.cpp scales by hidden / heads
+
+
+def gguf_query_scale(cfg: dict[str, Any], layers_27b: int | None = None) -> dict[str, Any]:
     """llama.cpp scales Gemma queries by head_dim**-0.5 (query_pre_attn_scalar = head_dim) except for
-    the 27B models, whose files it recognises by size; the files carry no key for it."""
+    the 27B models, whose files it recognises by their layer count (`layers_27b`) and scales by
+    (hidden / heads)**-0.5; the files carry no key for it."""
+    if layers_27b is not None and int(cfg["num_hidden_layers"]) == layers_27b:
+        return {"query_pre_attn_scalar": int(cfg["hidden_size"]) // int(cfg["num_attention_heads"])}
     return {"query_pre_attn_scalar": cfg["head_dim"]}
 
 
@@ -99,6 +106,6 @@ FAMILY = f.Family(
     | f.HF_MLP_TENSORS
     | {"self_attn.q_norm.weight": "q_norm", "self_attn.k_norm.weight": "k_norm"},
     gguf_archs=("gemma3",),
-    gguf_facts=gguf_query_scale,
+    gguf_facts=lambda cfg: gguf_query_scale(cfg, layers_27b=LAYERS_27B),
     hf_norm_offset=1.0,
 )

@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.loading.common import ModelLoadError
 from jaxinfer.models import family as f
+from jaxinfer.models.family import ModelLoadError
 
 # transformers' LlamaConfig defaults for the keys we read.
 HF_DEFAULTS: dict[str, Any] = {

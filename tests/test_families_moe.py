@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from jaxinfer.loading import load_model
+from jaxinfer.loading import load_model, save_checkpoint
 from jaxinfer.quantization import quantize_params
 from jaxinfer.weight_formats import Int8Weight
 from tests.family_checks import check_family, full_logits, randomize_and_save
@@ -53,3 +54,10 @@ def test_int8_experts_stay_close_to_float(tmp_path, vocab_tokenizer):
     loaded = load_model(str(tmp_path))
     got = full_logits(type(loaded)(loaded.config, params, loaded.kind, loaded.path), tokens)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+    # The stacked int8 experts survive an orbax checkpoint (what `jaxinfer convert` writes) bit for bit.
+    save_checkpoint(tmp_path / "orbax", loaded.config, params)
+    restored = load_model(str(tmp_path / "orbax"))
+    assert jax.tree.structure(restored.params) == jax.tree.structure(params)
+    for a, b in zip(jax.tree.leaves(restored.params), jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -13,21 +13,11 @@ from typing import Any
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import family as f
 from jaxinfer.models.family import ModelLoadError
+from jaxinfer.models.llama import HF_DEFAULTS as LLAMA_DEFAULTS
 from jaxinfer.models.llama import llama_fields
 
 # transformers' Olmo2Config defaults for the keys we read.
-HF_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 50304,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "hidden_act": "silu",
-    "max_position_embeddings": 2048,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-}
+HF_DEFAULTS: dict[str, Any] = LLAMA_DEFAULTS | {"vocab_size": 50304, "rms_norm_eps": 1e-5}
 
 
 def _config(cfg: dict[str, Any]) -> ModelConfig:

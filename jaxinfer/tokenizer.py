@@ -2,15 +2,19 @@
 
 Two vocabularies occur, and each is rebuilt in the library its original was trained with:
 
-* `tokenizer.ggml.model == "gpt2"` (SmolLM2): byte-level BPE from the GGUF tokens and merges, run by the
-  `tokenizers` library. SmolLM2's original pre-tokenizer isolates every digit before the byte-level regex
-  split (GGUF `tokenizer.ggml.pre == "smollm"`). The vocabulary has no multi-digit tokens, so the digit split
-  shows up through whitespace: without it "x   1" becomes "x", "ĠĠ", "Ġ", "1" instead of "x", "ĠĠĠ", "1".
-  transformers' GGUF loader drops that split; this module keeps it.
-* `tokenizer.ggml.model == "llama"` (Gemma 3): a SentencePiece BPE model (scores, token types, byte fallback)
-  rebuilt as a `ModelProto` and run by `sentencepiece`. Gemma's normalizer adds no dummy prefix and keeps
-  whitespace as it is. llama.cpp's converter rewrote the "▁" of user-defined pieces (whitespace runs such as
-  "▁▁") to plain spaces; they are turned back so SentencePiece matches them in its escaped text.
+* `tokenizer.ggml.model == "gpt2"` (SmolLM2, Llama 3, Qwen 2/2.5/3, OLMo 2, Phi-4): byte-level BPE from the
+  GGUF tokens and merges, run by the `tokenizers` library behind the pre-tokenizer that `tokenizer.ggml.pre`
+  names (`_BYTE_LEVEL_PRE_TOKENIZERS`: the regex splits of llama.cpp's src/llama-vocab.cpp, written as the
+  models' own tokenizer.json files write them). SmolLM2's ("smollm") isolates every digit before the
+  byte-level regex split. The vocabulary has no multi-digit tokens, so the digit split shows up through
+  whitespace: without it "x   1" becomes "x", "ĠĠ", "Ġ", "1" instead of "x", "ĠĠĠ", "1". transformers' GGUF
+  loader drops that split; this module keeps it.
+* `tokenizer.ggml.model == "llama"` (Gemma 2/3, Llama 2, Mistral, Mixtral, Phi-3): a SentencePiece BPE model
+  (scores, token types, byte fallback) rebuilt as a `ModelProto` and run by `sentencepiece`. The normalizer
+  is llama.cpp's: spaces become "▁", nothing else changes, and a dummy "▁" is prepended to each text
+  fragment when `tokenizer.ggml.add_space_prefix` is true (its default; Gemma's files set it false).
+  llama.cpp's converter rewrote the "▁" of user-defined pieces (whitespace runs such as "▁▁") to plain
+  spaces; they are turned back so SentencePiece matches them in its escaped text.
 
 Control tokens (`<|im_start|>`, `<start_of_turn>`, `<bos>` ...) are matched in the text first, so chat markup
 encodes to single ids. BOS is never added by the backends; `Tokenizer.encode` adds it from the metadata.
@@ -31,7 +35,7 @@ import numpy as np
 import sentencepiece
 import tokenizers
 from sentencepiece import sentencepiece_model_pb2
-from tokenizers import decoders, pre_tokenizers, processors
+from tokenizers import decoders, normalizers, pre_tokenizers, processors
 
 from jaxinfer.chat_template import ChatTemplate
 from jaxinfer.detokenizer import IncrementalDetokenizer
@@ -45,11 +49,87 @@ TOKEN_NORMAL, TOKEN_UNKNOWN, TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNUSED, TO
 # vocabulary joins the model's declared eos (generation must stop on them even where metadata omits them).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|endoftext|>", "<|end|>")
 
-# Pre-tokenizers for the GGUF `tokenizer.ggml.pre` values of byte-level BPE vocabularies we rebuild.
+# ---- byte-level BPE pre-tokenizers, by GGUF `tokenizer.ggml.pre`
+#
+# llama.cpp's converter names a vocabulary's pre-tokenizer by hashing how it encodes a probe text
+# (convert_hf_to_gguf.py, get_vocab_base_pre); llama.cpp (src/llama-vocab.cpp) then splits the text with
+# a list of regexes per name, each regex isolating its matches within the pieces of the one before, and
+# byte-encodes the pieces. Here the same splits are `tokenizers` pre-tokenizers, in the form the models'
+# tokenizer.json files use: Split(regex, behavior="isolated", invert=False) then
+# ByteLevel(add_prefix_space=False, use_regex=False). The regexes are those of the tokenizer.json files
+# (llama.cpp spells the case-insensitive contractions "(?i:'s|...)" out as "'[sS]|..." for its own regex
+# engine; the two differ only on the few characters that case-fold to ASCII letters, such as "ſ").
+
+# GPT-2's split (also ByteLevel's own regex, with a trailing "|\s+" that changes no split).
+_GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+# Llama 3's (tiktoken's cl100k_base): digits in groups of up to three, a letter run takes one leading
+# non-letter, newlines stay with the punctuation or whitespace before them.
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# Qwen 2's: Llama 3's with single digits.
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+# Mistral's tekken (Mistral NeMo, Small 3, Ministral): letter runs split at case changes, single digits,
+# "/" kept after punctuation.
+_TEKKEN_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# llama.cpp's "default" (also what it uses when a BPE file has no tokenizer.ggml.pre, warning that
+# generation quality will be degraded): punctuation runs, GPT-2's split, digit runs, then three-digit
+# groups. Not GPT-2's split.
+_DEFAULT_REGEXES = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]")
+
+
+@dataclasses.dataclass(frozen=True)
+class _ByteLevelPre:
+    """How llama.cpp runs the byte-level BPE vocabularies of one `tokenizer.ggml.pre` name."""
+
+    pre_tokenizer: Any  # a tokenizers pre-tokenizer
+    # Whether a pre-token that is itself a vocabulary entry is taken whole, before merges (tiktoken's rule;
+    # llama.cpp's ignore_merges, tokenizer.json's "ignore_merges").
+    ignore_merges: bool = False
+    add_bos: bool = False  # llama.cpp's default where tokenizer.ggml.add_bos_token is absent
+    normalizer: Any | None = None  # a tokenizers normalizer the original tokenizer.json applies
+
+
+def _regex_splits(*regexes: str) -> Any:
+    splits = [pre_tokenizers.Split(tokenizers.Regex(r), behavior="isolated", invert=False) for r in regexes]
+    return pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
 _BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-_GPT2_PRE_TOKENIZERS = {
-    "smollm": pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _BYTE_LEVEL]),
-    "gpt-2": _BYTE_LEVEL,  # ByteLevel's own regex is GPT-2's
+_GPT2_PRE = _ByteLevelPre(_BYTE_LEVEL)
+# Llama 3 and 3.x ("llama-bpe"; "llama3" and "llama-v3" are llama.cpp's aliases): ignore_merges as in its
+# tokenizer.json, and BOS by default.
+_LLAMA3_PRE = _ByteLevelPre(_regex_splits(_LLAMA3_REGEX), ignore_merges=True, add_bos=True)
+# The same split without ignore_merges: tiktoken cl100k_base vocabularies (DBRX, OLMo 2, Phi-4 hash as
+# "dbrx") and Smaug-Llama-3.
+_CL100K_PRE = _ByteLevelPre(_regex_splits(_LLAMA3_REGEX))
+_BYTE_LEVEL_PRE_TOKENIZERS = {
+    "default": _ByteLevelPre(_regex_splits(*_DEFAULT_REGEXES)),
+    "gpt-2": _GPT2_PRE,
+    "olmo": _GPT2_PRE,  # OLMo 1 (GPT-NeoX's vocabulary)
+    "smollm": _ByteLevelPre(
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _BYTE_LEVEL])
+    ),
+    "llama-bpe": _LLAMA3_PRE,
+    "llama3": _LLAMA3_PRE,
+    "llama-v3": _LLAMA3_PRE,
+    "dbrx": _CL100K_PRE,
+    "smaug-bpe": _CL100K_PRE,
+    # Qwen 2, 2.5, 3 and Qwen3-MoE; their tokenizer.json normalizes to NFC first (llama.cpp does not, so it
+    # differs from the original on decomposed text such as "e\u0301").
+    "qwen2": _ByteLevelPre(_regex_splits(_QWEN2_REGEX), normalizer=normalizers.NFC()),
+    "deepseek-r1-qwen": _ByteLevelPre(_regex_splits(_QWEN2_REGEX)),  # DeepSeek-R1-Distill-Qwen
+    "tekken": _ByteLevelPre(_regex_splits(_TEKKEN_REGEX), ignore_merges=True, add_bos=True),
 }
 
 _SAVE_EOS_KEY = "jaxinfer_eos_token_ids"  # exact eos ids, so from_hf(save()) restores them unchanged
@@ -122,20 +202,27 @@ class GGUFVocab:
             return int(value)
 
         model = str(scalar("tokenizer.ggml.model"))
+        pre = str(scalar("tokenizer.ggml.pre", "default"))
+        bos_id = token_id("tokenizer.ggml.bos_token_id")
+        # llama.cpp's defaults where metadata is silent: SentencePiece models add BOS, BPE ones only for the
+        # pre-tokenizers that say so (Llama 3's), and only where a BOS token is declared.
+        byte_level_pre = _BYTE_LEVEL_PRE_TOKENIZERS.get(pre) if model == "gpt2" else None
+        default_add_bos = model == "llama" or (
+            byte_level_pre is not None and byte_level_pre.add_bos and bos_id is not None
+        )
         return cls(
             model=model,
-            pre=str(scalar("tokenizer.ggml.pre", "default")),
+            pre=pre,
             tokens=tokens,
             types=types,
             scores=scores,
             merges=strings("tokenizer.ggml.merges"),
-            bos_id=token_id("tokenizer.ggml.bos_token_id"),
+            bos_id=bos_id,
             eos_id=token_id("tokenizer.ggml.eos_token_id"),
             eot_id=token_id("tokenizer.ggml.eot_token_id"),
             unk_id=token_id("tokenizer.ggml.unknown_token_id"),
             pad_id=token_id("tokenizer.ggml.padding_token_id"),
-            # llama.cpp's defaults where metadata is silent: SentencePiece models add BOS, BPE ones do not.
-            add_bos=bool(scalar("tokenizer.ggml.add_bos_token", model == "llama")),
+            add_bos=bool(scalar("tokenizer.ggml.add_bos_token", default_add_bos)),
             add_space_prefix=bool(scalar("tokenizer.ggml.add_space_prefix", model == "llama")),
             chat_template=scalar("tokenizer.chat_template"),
         )
@@ -490,9 +577,9 @@ def _byte_level_bpe(vocab: GGUFVocab) -> tokenizers.Tokenizer:
     """Byte-level BPE (GPT-2 style) from a GGUF vocabulary: [n_vocab] tokens and merges "a b"."""
     if vocab.merges is None:
         raise ValueError("GGUF gpt2 tokenizer has no tokenizer.ggml.merges")
-    pre_tokenizer = _GPT2_PRE_TOKENIZERS.get(vocab.pre)
-    if pre_tokenizer is None:
-        known = ", ".join(sorted(_GPT2_PRE_TOKENIZERS))
+    pre = _BYTE_LEVEL_PRE_TOKENIZERS.get(vocab.pre)
+    if pre is None:
+        known = ", ".join(sorted(_BYTE_LEVEL_PRE_TOKENIZERS))
         raise ValueError(f"unsupported byte-level pre-tokenizer tokenizer.ggml.pre={vocab.pre!r} ({known=})")
     merges = []
     for merge in vocab.merges:
@@ -501,9 +588,13 @@ def _byte_level_bpe(vocab: GGUFVocab) -> tokenizers.Tokenizer:
             raise ValueError(f"malformed GGUF merge {merge!r}: expected two tokens separated by a space")
         merges.append((left, right))
     token_ids = {token: i for i, token in enumerate(vocab.tokens)}
-    model = tokenizers.models.BPE(vocab=token_ids, merges=merges, fuse_unk=False, byte_fallback=False)
+    model = tokenizers.models.BPE(
+        vocab=token_ids, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre.ignore_merges
+    )
     tokenizer = tokenizers.Tokenizer(model)
-    tokenizer.pre_tokenizer = pre_tokenizer
+    if pre.normalizer is not None:
+        tokenizer.normalizer = pre.normalizer
+    tokenizer.pre_tokenizer = pre.pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     added = [
         tokenizers.AddedToken(vocab.tokens[i], special=vocab.types[i] == TOKEN_CONTROL, normalized=False)
@@ -529,8 +620,12 @@ def _sentencepiece_proto(vocab: GGUFVocab) -> bytes:
     trainer.model_type = sentencepiece_model_pb2.TrainerSpec.BPE
     trainer.vocab_size = len(vocab.tokens)
     trainer.byte_fallback = bool(np.any(vocab.types == TOKEN_BYTE))
+    unk_id = vocab.unk_id
+    if unk_id is None:  # llama.cpp's SentencePiece default: id 0 (here the UNKNOWN-typed piece, if any)
+        unknown = np.flatnonzero(vocab.types == TOKEN_UNKNOWN)
+        unk_id = int(unknown[0]) if len(unknown) else 0
     for field, token_id in [
-        ("unk_id", vocab.unk_id),
+        ("unk_id", unk_id),
         ("bos_id", vocab.bos_id),
         ("eos_id", vocab.eos_id),
         ("pad_id", vocab.pad_id),
@@ -542,8 +637,7 @@ def _sentencepiece_proto(vocab: GGUFVocab) -> bytes:
     normalizer.remove_extra_whitespaces = False
     normalizer.escape_whitespaces = True
     types = vocab.types.copy()
-    if vocab.unk_id is not None:
-        types[vocab.unk_id] = TOKEN_UNKNOWN  # SentencePiece requires exactly one UNKNOWN piece
+    types[unk_id] = TOKEN_UNKNOWN  # SentencePiece requires exactly one UNKNOWN piece
     for token, score, token_type in zip(vocab.tokens, vocab.scores.tolist(), types.tolist(), strict=True):
         piece = proto.pieces.add()
         # llama.cpp stores user-defined pieces with plain spaces; SentencePiece matches them in escaped text.

@@ -1,13 +1,16 @@
 """Weight quantisation of a params pytree, once, at load or convert time: which leaves, which format.
 
 The formats themselves are weight_formats' types. `quantize_params(params, mode)`:
-  int8: every linear weight [out, in] and the embedding table [vocab, hidden] become Int8Weight.
-  int8 and int4: mixture-of-experts weights [experts, out, in] become Int8Weight with a scale per expert
-        and output channel (models/moe.py's grouped matmuls read them).
+  int8: every linear weight [out, in] and the embedding table [vocab, hidden] become Int8Weight, and so
+        do mixture-of-experts weights [experts, out, in], with a scale per expert and output channel
+        (models/moe.py's grouped matmuls read them).
   int4: the linear weights of every layer become Int4Weight (groups of 32 inputs, round-to-nearest or
-        with clipping ranges from int4_calibration.calibrate_int4); the embedding table and an untied
-        lm_head become Int8Weight, as llama.cpp's 4-bit files keep them at 6-8 bits: they are a small
-        share of a large model's bytes and the logits are sensitive to them.
+        with clipping ranges from int4_calibration.calibrate_int4), and so do the stacked expert weights
+        (round-to-nearest, each expert's groups as a 2-D weight's: a stacked Int4Weight with scale and
+        minimum [experts, out, groups], read by the grouped matmuls); a weight whose inputs no int4 group
+        divides becomes Int8Weight instead. The embedding table and an untied lm_head become Int8Weight,
+        as llama.cpp's 4-bit files keep them at 6-8 bits: they are a small share of a large model's bytes
+        and the logits are sensitive to them. The routers stay float in every mode.
 Norms stay float. Leaves already quantised (a GGUF file's own 4-bit blocks, loading/gguf_loader.py) are
 kept. Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
 memory stays near one float copy.
@@ -20,7 +23,9 @@ products of two or more rows on x86 CPUs (cpu_kernels/int8_matmul_vnni.py). With
 bf16 x bf16 -> f32 dot at 16-512 rows is as fast as an int8 x int8 one without quantising the
 activations (measured on SmolLM2's shapes: 16 rows 29.7 vs 29.2 ms, 128 rows 106 vs 135 ms). It triples
 the weight memory of the int8 model (still 75% of f32). `pack_int4_weights` replaces each Int4Weight by
-the native int4 kernel's layout (cpu_kernels/int4_matmul.py), which serves every row count.
+the native int4 kernel's layout (cpu_kernels/int4_matmul.py), which serves every row count. Stacked
+expert weights take none of these forms: the grouped-matmul kernels read their int8 or int4 bytes as
+they are.
 """
 
 from __future__ import annotations
@@ -48,12 +53,13 @@ LINEAR_LEAVES = frozenset(
     | {"qkv_proj", "gate_up_proj"}  # fused forms (params.fuse_projections)
 )
 TABLE_LEAVES = frozenset({"embed", "lm_head"})
-# Stacked expert weights [experts, out, in] go int8 in both modes (no int4 grouped-matmul kernel yet);
-# the router stays float: it is small and picks the experts.
+# Stacked expert weights [experts, out, in]: int8, or int4 in int4 mode (int8 where no group divides the
+# inputs). The router stays float: it is small and picks the experts.
 EXPERT_LEAVES = frozenset({"expert_gate", "expert_up", "expert_down"})
 QUANTIZED_LEAVES = LINEAR_LEAVES | TABLE_LEAVES | EXPERT_LEAVES
 QUANTIZATION_MODES = ("none", "int8", "int4")
 INT4_GROUP_SIZE = 32  # GGUF's block; 128 halves the scale bytes at some cost in accuracy
+INT4_LEAVES = LINEAR_LEAVES | EXPERT_LEAVES  # the leaves int4 mode takes to 4 bits
 
 _quantize_int8 = jax.jit(quantize_int8)
 _quantize_int4 = jax.jit(quantize_int4, static_argnames="group_size")
@@ -85,8 +91,8 @@ def quantize_params(
     def quantize(path: tuple, name: str, w):
         if name not in QUANTIZED_LEAVES or is_quantized(w):
             return w
-        int4 = mode == "int4" and name in LINEAR_LEAVES
-        group = int4_group_size(w.shape[1], group_size) if int4 else None
+        int4 = mode == "int4" and name in INT4_LEAVES
+        group = int4_group_size(w.shape[-1], group_size) if int4 else None
         if group is not None:
             return _consume(_quantize_int4, w, group_size=group, clip=clips.get(path))
         return _consume(_quantize_int8, w)
@@ -111,6 +117,11 @@ _dequantize_bf16 = jax.jit(lambda w: w.dequantize(jnp.bfloat16))
 def _is_matrix_int8(w) -> bool:
     """An Int8Weight of one [out, in] matrix (stacked expert weights have their own kernels)."""
     return isinstance(w, Int8Weight) and len(w.shape) == 2
+
+
+def _is_matrix_int4(w) -> bool:
+    """An Int4Weight of one [out, in] matrix (not stacked experts, which the grouped matmuls read as is)."""
+    return isinstance(w, Int4Weight) and len(w.shape) == 2
 
 
 def add_bf16_copies(params: Params) -> Params:
@@ -151,10 +162,11 @@ _pack_int4 = jax.jit(pack_int4)
 
 
 def pack_int4_weights(params: Params) -> Params:
-    """Replaces every Int4Weight whose shape the native int4 kernel takes by its PackedInt4Weight."""
+    """Replaces every Int4Weight matrix whose shape the native int4 kernel takes by its PackedInt4Weight
+    (stacked int4 expert weights stay as they are)."""
 
     def pack(path, name: str, w):
-        if isinstance(w, Int4Weight) and int4_matmul_supports(*w.shape):
+        if _is_matrix_int4(w) and int4_matmul_supports(*w.shape):
             packed = _pack_int4(w)
             jax.tree.map(lambda a: a.delete(), w)
             return packed
@@ -169,6 +181,7 @@ def weight_bytes(params: Params) -> int:
 
 
 def quantization_of(params: Params) -> str:
-    """ "int4" when any layer weight is 4-bit, else "int8" when any is quantised, else "none"."""
+    """ "int4" when any layer weight (stacked experts included) is 4-bit, else "int8" when any is
+    quantised, else "none"."""
     formats = {format_name(w) for layer in params["layers"] for w in layer.values()}
     return "int4" if "int4" in formats else "int8" if "int8" in formats else "none"

@@ -7,7 +7,8 @@ these types; adding a format means a class here, its kernels and its tests.
 
     Int8Weight        w[o, i] = q[o, i] * scale[o]                      (8.0 bits per weight)
     Int4Weight        w[o, i] = q[o, i] * scale[o, g] + minimum[o, g]   (4 + 64 / group_size bits)
-                      q in [0, 15], g = i // group_size
+                      q in [0, 15], g = i // group_size; or stacked expert weights [experts, out, in]
+                      with scale and minimum [experts, out, groups] (models/moe.py)
     PackedInt4Weight  an Int4Weight in the native CPU kernel's layout (cpu_kernels/int4_matmul.py)
 
 Int4Weight holds float32 scales and minimums so that GGUF's 4-bit blocks map onto it exactly: Q4_0
@@ -81,6 +82,9 @@ class Int4Weight:
 
     packed: uint8 [out, in / 2]; byte j holds q[o, 2j] in its low nibble and q[o, 2j + 1] in its high one.
     scale, minimum: float32 [out, in / group_size].
+    A stacked expert weight [experts, out, in] (models/moe.py) has one more leading axis on every array:
+    packed [experts, out, in / 2], scale and minimum [experts, out, in / group_size], the bytes of each
+    expert laid out as a 2-D weight's.
     """
 
     packed: Any
@@ -89,25 +93,26 @@ class Int4Weight:
     group_size: int = 32
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (self.packed.shape[0], 2 * self.packed.shape[1])
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
 
     def values(self) -> jax.Array:
-        """q: uint8 [out, in] in [0, 15]."""
-        out_features, half = self.packed.shape
-        return jnp.stack([self.packed & 15, self.packed >> 4], axis=-1).reshape(out_features, 2 * half)
+        """q: uint8 [..., out, in] in [0, 15]."""
+        p = self.packed
+        return jnp.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        out_features, in_features = self.shape
-        groups = self.values().reshape(out_features, -1, self.group_size).astype(jnp.float32)
+        """w = q * scale + minimum per group, [..., out, in] in `dtype` (computed in float32)."""
+        shape = self.shape
+        groups = self.values().reshape(*shape[:-1], -1, self.group_size).astype(jnp.float32)
         w = groups * self.scale[..., None] + self.minimum[..., None]
-        return w.reshape(out_features, in_features).astype(dtype)
+        return w.reshape(shape).astype(dtype)
 
     @classmethod
     def from_values(cls, q, scale, minimum, group_size: int) -> Int4Weight:
-        """From unpacked q uint8 [out, in] in [0, 15] (numpy or jax; numpy stays on the host)."""
+        """From unpacked q uint8 [..., out, in] in [0, 15] (numpy or jax; numpy stays on the host)."""
         xp = np if isinstance(q, np.ndarray) else jnp
-        pairs = q.reshape(q.shape[0], -1, 2).astype(xp.uint8)
+        pairs = q.reshape(*q.shape[:-1], -1, 2).astype(xp.uint8)
         packed = pairs[..., 0] | (pairs[..., 1] << 4)
         return cls(packed.astype(xp.uint8), scale, minimum, group_size)
 
@@ -169,25 +174,32 @@ def int4_group_size(in_features: int, preferred: int) -> int | None:
 
 
 def check_int4_shape(shape: tuple[int, ...], group_size: int) -> None:
+    """A [out, in] weight, or stacked expert weights [experts, out, in], with `in` a multiple of a group
+    size int4 takes."""
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
-    if len(shape) != 2 or shape[1] % group_size:
-        raise ValueError(f"int4 needs a [out, in] weight with in a multiple of {group_size}; got {shape}")
+    if len(shape) not in (2, 3) or shape[-1] % group_size:
+        raise ValueError(
+            f"int4 needs a [out, in] or [experts, out, in] weight with in a multiple of {group_size}; "
+            f"got {shape}"
+        )
 
 
 def int4_grid(
     w: jax.Array, group_size: int, clip: jax.Array | None = None, round_fn=jnp.round
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The asymmetric int4 levels of a float [out, in] per group of `group_size` inputs:
-    (q float32 [out, groups, group_size] in [0, 15], scale [out, groups], minimum [out, groups]).
+    (q float32 [out, groups, group_size] in [0, 15], scale [out, groups], minimum [out, groups]); of
+    stacked expert weights [experts, out, in], the same per expert with a leading [experts] axis (each
+    group on its own, so each expert's levels are those of its 2-D matrix, bit for bit).
 
-    clip: optional [out, groups] factors in (0, 1] that shrink each group's [min, max] range around its
-    midpoint (int4_calibration fits them); values outside the clipped range saturate to q = 0 or 15.
+    clip: optional [out, groups] (or [experts, out, groups]) factors in (0, 1] that shrink each group's
+    [min, max] range around its midpoint (int4_calibration fits them); values outside the clipped range
+    saturate to q = 0 or 15.
     round_fn: jnp.round, or a straight-through rounding to train the clips through.
     """
     check_int4_shape(tuple(w.shape), group_size)
-    out_features, in_features = w.shape
-    groups = w.astype(jnp.float32).reshape(out_features, in_features // group_size, group_size)
+    groups = w.astype(jnp.float32).reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
     low, high = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)
     if clip is not None:
         mid, half = (high + low) / 2, (high - low) / 2 * clip
@@ -198,7 +210,8 @@ def int4_grid(
 
 
 def quantize_int4(w: jax.Array, group_size: int = 32, clip: jax.Array | None = None) -> Int4Weight:
-    """Round-to-nearest asymmetric int4 of a float [out, in] (int4_grid's levels, clipped by `clip`)."""
+    """Round-to-nearest asymmetric int4 of a float [out, in], or of each expert's [out, in] in stacked
+    [experts, out, in] (int4_grid's levels, clipped by `clip`)."""
     q, scale, low = int4_grid(w, group_size, clip)
     return Int4Weight.from_values(q.astype(jnp.uint8).reshape(w.shape), scale, low, group_size)
 
@@ -231,15 +244,15 @@ def abstract_weight(description: dict[str, Any], shape: tuple[int, ...], target,
     kind = description.get("format", "float")
     if kind == "float":
         return target("", shape, float_dtype)
-    out_features, in_features = shape
+    *lead, out_features, in_features = shape  # lead: [experts] for a stacked expert weight
     if kind == "int8":
-        return Int8Weight(target("q", shape, np.int8), target("scale", (out_features,), np.float32))
+        return Int8Weight(target("q", shape, np.int8), target("scale", (*lead, out_features), np.float32))
     if kind == "int4":
         group_size = int(description["group_size"])
         check_int4_shape(shape, group_size)
-        groups = (out_features, in_features // group_size)
+        groups = (*lead, out_features, in_features // group_size)
         return Int4Weight(
-            target("packed", (out_features, in_features // 2), np.uint8),
+            target("packed", (*lead, out_features, in_features // 2), np.uint8),
             target("scale", groups, np.float32),
             target("minimum", groups, np.float32),
             group_size,

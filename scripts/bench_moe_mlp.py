@@ -5,13 +5,14 @@ Variants, each one jitted call of one MLP block:
   moe native   moe_mlp through the C++ grouped matmul (reads only the experts that received tokens)
   moe xla      moe_mlp through lax.ragged_dot (XLA:CPU expands it densely over every expert)
   dense        silu(x @ Wg.T) * (x @ Wu.T) @ Wd.T, float32, intermediate k * expert_inter
-  (--int8: the native MoE over int8 experts too)
+  (--int8 / --int4: the native MoE over int8 / int4 experts too; int4 in groups of 32, the arithmetic
+  float32 as for the other two)
 
 The variants run alternately (A, B, C, A, B, C, ...) so that the machine's noise spreads over all of them;
 the medians are reported, with the ratio MoE / dense and the weight bytes each call reads.
 
     .venv/bin/python scripts/bench_moe_mlp.py
-    .venv/bin/python scripts/bench_moe_mlp.py --hidden 2048 --experts 16 --inter 768 --top-k 4 --int8
+    .venv/bin/python scripts/bench_moe_mlp.py --hidden 2048 --experts 16 --inter 768 --top-k 4 --int8 --int4
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from jaxinfer.config import KernelConfig  # noqa: E402
 from jaxinfer.cpu_kernels.grouped_matmul import KERNEL, grouped_matmul_available  # noqa: E402
 from jaxinfer.cpu_kernels.native_build import cpu_description  # noqa: E402
 from jaxinfer.models.moe import moe_mlp, route  # noqa: E402
-from jaxinfer.weight_formats import Int8Weight  # noqa: E402
+from jaxinfer.weight_formats import Int8Weight, quantize_int4  # noqa: E402
 
 
 def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--iters", type=int, default=30, help="timed calls per variant")
     parser.add_argument("--int8", action="store_true", help="also time the native MoE over int8 experts")
+    parser.add_argument("--int4", action="store_true", help="also time the native MoE over int4 experts")
     args = parser.parse_args()
     hidden, experts, inter, k = args.hidden, args.experts, args.inter, args.top_k
 
@@ -97,6 +99,9 @@ def main() -> None:
     variants["moe xla ragged_dot f32"] = (moe("xla"), (router, gate, up, down))
     if native and args.int8:
         variants["moe native int8"] = (moe("native"), (router, int8(gate), int8(up), int8(down)))
+    if native and args.int4:
+        int4 = jax.jit(quantize_int4)
+        variants["moe native int4"] = (moe("native"), (router, int4(gate), int4(up), int4(down)))
 
     for tokens in args.tokens:
         x = jnp.asarray(rng.normal(size=(tokens, hidden)), jnp.float32)
@@ -107,6 +112,7 @@ def main() -> None:
             "moe native f32": active * expert_bytes * 4,
             "moe xla ragged_dot f32": experts * expert_bytes * 4,  # every expert, copied as well
             "moe native int8": active * expert_bytes * (1 + 4 / hidden),
+            "moe native int4": active * expert_bytes * (0.5 + 8 / 32),  # scale and minimum per 32
         }
         for fn, weights in variants.values():  # compile and warm up
             for _ in range(3):

@@ -5,8 +5,10 @@
 
 for rows x [rows, in] sorted by group (group g owns rows sum(group_sizes[:g]) .. + group_sizes[g]; rows
 past sum(group_sizes) come out as zeros, as `jax.lax.ragged_dot`'s) and stacked expert weights W
-[experts, out, in]: float32, or int8 with a float32 scale [experts, out] per output channel (dequantised
-in registers).
+[experts, out, in]: float32, int8 with a float32 scale [experts, out] per output channel, or int4 in
+weight_formats.Int4Weight's own layout (packed uint8 [experts, out, in / 2], float32 scale and minimum
+[experts, out, in / group] per group of 32 or 128 inputs, w = q * scale + minimum), each dequantised in
+registers; the arithmetic is float32 throughout (the activations are not quantised).
 
 XLA:CPU expands `lax.ragged_dot` into a dense masked product over every group and copies the whole weight
 on each call (~20x slower than a dense dot of the same active size at 32 rows, 8 experts). The kernel
@@ -22,12 +24,17 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.cpu_kernels.native_build import NativeKernel
+from jaxinfer.weight_formats import Int4Weight
 
 SYMBOL_F32 = "jaxinfer_grouped_matmul_f32"  # float32 weights; each ISA variant: SYMBOL + isa.suffix
 SYMBOL_INT8 = "jaxinfer_grouped_matmul_int8"  # int8 weights with per-output scales
+SYMBOL_INT4 = "jaxinfer_grouped_matmul_int4"  # int4 weights with per-group scales and minimums
 KERNEL = NativeKernel(
-    Path(__file__).with_suffix(".cc"), (SYMBOL_F32, SYMBOL_INT8), "the native grouped matmul kernel"
+    Path(__file__).with_suffix(".cc"),
+    (SYMBOL_F32, SYMBOL_INT8, SYMBOL_INT4),
+    "the native grouped matmul kernel",
 )
+INT4_MIN_GROUP = 32  # the kernel's int4 groups: a power of two of inputs from this one (32, 128, ...)
 
 
 def grouped_matmul_available(isa: str | None = None) -> bool:
@@ -42,19 +49,39 @@ def grouped_matmul_cpu(
     scale: jax.Array | None,
     group_sizes: jax.Array,
     *,
+    minimum: jax.Array | None = None,
     isa: str | None = None,
 ) -> jax.Array:
     """x [rows, in] (any float; computed in float32), sorted by group . w [experts, out, in] -> float32
-    [rows, out]. `w` is float (scale None) or int8 with `scale` float32 [experts, out]; group_sizes int
-    [experts]. Runs the chosen variant (KERNEL.chosen_isa()), or the one named by `isa` ("avx512_vnni",
-    "avx2")."""
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or group_sizes.shape != (w.shape[0],):
+    [rows, out]. `w` is float (scale None), int8 with `scale` float32 [experts, out], or, with `minimum`,
+    int4: w the packed uint8 [experts, out, in / 2] of an Int4Weight, scale and minimum float32
+    [experts, out, in / group] (group a power of two from 32). group_sizes int [experts]. Runs the chosen
+    variant (KERNEL.chosen_isa()), or the one named by `isa` ("avx512_vnni", "avx2")."""
+    in_features = 2 * w.shape[-1] if minimum is not None else w.shape[-1]
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != in_features or group_sizes.shape != (w.shape[0],):
         raise ValueError(
-            f"grouped_matmul wants x [rows, in], w [experts, out, in], group_sizes [experts]; got x "
-            f"{x.shape}, w {w.shape}, group_sizes {group_sizes.shape}"
+            f"grouped_matmul wants x [rows, in], w [experts, out, in] (int4: packed [experts, out, in / 2]), "
+            f"group_sizes [experts]; got x {x.shape}, w {w.shape}, group_sizes {group_sizes.shape}"
         )
     out_type = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32)
     x, group_sizes = x.astype(jnp.float32), group_sizes.astype(jnp.int32)
+    if minimum is not None:
+        groups = scale.shape[-1] if scale is not None and scale.ndim == 3 else 0
+        group = in_features // groups if groups and in_features % groups == 0 else 0
+        if (
+            w.dtype != jnp.uint8
+            or scale.shape != (*w.shape[:2], groups)
+            or minimum.shape != scale.shape
+            or group < INT4_MIN_GROUP
+            or group & (group - 1)
+        ):
+            raise ValueError(
+                f"int4 weights need packed uint8 [experts, out, in / 2] and scale and minimum [experts, out, "
+                f"in / group], group a power of two from {INT4_MIN_GROUP}; got {w.dtype} {w.shape}, "
+                f"scale {None if scale is None else scale.shape}, minimum {minimum.shape}"
+            )
+        call = jax.ffi.ffi_call(KERNEL.target(SYMBOL_INT4, isa), out_type)
+        return call(x, w, scale.astype(jnp.float32), minimum.astype(jnp.float32), group_sizes)
     if scale is None:
         call = jax.ffi.ffi_call(KERNEL.target(SYMBOL_F32, isa), out_type)  # registers it on first use
         return call(x, w.astype(jnp.float32), group_sizes)
@@ -66,14 +93,25 @@ def grouped_matmul_cpu(
 
 
 def grouped_matmul_cpu_reference(
-    x: jax.Array, w: jax.Array, scale: jax.Array | None, group_sizes: jax.Array
+    x: jax.Array,
+    w: jax.Array,
+    scale: jax.Array | None,
+    group_sizes: jax.Array,
+    *,
+    minimum: jax.Array | None = None,
 ) -> jax.Array:
     """The kernel's product in plain JAX: each row's group from the sizes, that group's (dequantised)
-    weight gathered per row; rows past the last group are zeros."""
+    weight gathered per row; rows past the last group are zeros. Arguments as grouped_matmul_cpu's."""
     rows, experts = x.shape[0], w.shape[0]
     ends = jnp.cumsum(group_sizes.astype(jnp.int32))
     group = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")  # E past the end
-    w = w.astype(jnp.float32) if scale is None else w.astype(jnp.float32) * scale[..., None]
+    if minimum is not None:
+        group_size = 2 * w.shape[-1] // scale.shape[-1]
+        w = Int4Weight(w, scale, minimum, group_size).dequantize()
+    elif scale is not None:
+        w = w.astype(jnp.float32) * scale[..., None]
+    else:
+        w = w.astype(jnp.float32)
     picked = jnp.take(w, jnp.minimum(group, experts - 1), axis=0)  # [rows, out, in]
     y = jnp.einsum("ri,roi->ro", x.astype(jnp.float32), picked, precision=jax.lax.Precision.HIGHEST)
     return jnp.where((group < experts)[:, None], y, 0.0)

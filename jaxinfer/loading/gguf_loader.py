@@ -6,8 +6,10 @@ package can dequantise is accepted (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, K-qu
 
 With `int4=True`, linear weights stored as Q4_0, Q4_1 or Q4_K blocks are repacked into
 weight_formats.Int4Weight without a float round trip (`int4_blocks`): every 32-weight (sub-)block maps
-onto one group's scale and minimum, so the model computes the file's own values. Tensors in other types
-load as float as usual (quantization.quantize_params then takes them to int8).
+onto one group's scale and minimum, so the model computes the file's own values. Stacked expert weights
+(`ffn_gate_exps.weight` etc., [experts, out, in]) in those types become a stacked Int4Weight the same
+way, their rows repacked as one [experts * out, in] matrix. Tensors in other types load as float as
+usual (quantization.quantize_params then takes them to int8).
 
 Two conversions turn llama.cpp's conventions into ours (jaxinfer/params.py):
   * Llama Q/K rows are stored permuted for adjacent-pair RoPE; we un-permute them to the half-split
@@ -40,7 +42,7 @@ from jaxinfer.loading.common import (
 )
 from jaxinfer.models.families import family_for_gguf
 from jaxinfer.models.family import Family
-from jaxinfer.quantization import LINEAR_LEAVES
+from jaxinfer.quantization import INT4_LEAVES
 from jaxinfer.weight_formats import Int4Weight
 
 _TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
@@ -171,7 +173,7 @@ def load_gguf(
         if isinstance(key_path[-1], tuple):  # a fused tensor (Phi-3's attn_qkv)
             parts = tuple((*key_path[:-1], leaf) for leaf in key_path[-1])
             builder.put_rows(parts, _host_tensor(tensor, key_path, family, config), source=tensor.name)
-        elif int4 and key_path[-1] in LINEAR_LEAVES and tensor.tensor_type in INT4_BLOCK_TYPES:
+        elif int4 and key_path[-1] in INT4_LEAVES and tensor.tensor_type in INT4_BLOCK_TYPES:
             builder.put_quantized(key_path, _host_int4(tensor, key_path, family, config), source=tensor.name)
         else:
             value = _host_tensor(tensor, key_path, family, config)
@@ -184,11 +186,10 @@ INT4_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
 
 
 def linear_weights_are_4bit(reader: gguf.GGUFReader) -> bool:
-    """Whether every linear weight of the layers is stored in a 4-bit block type (INT4_BLOCK_TYPES)."""
+    """Whether every linear weight of the layers, stacked expert weights included, is stored in a 4-bit
+    block type (INT4_BLOCK_TYPES)."""
     family = gguf_family(reader)
-    kinds = [
-        t.tensor_type for t in reader.tensors if (_key_path(t.name, family) or ("",))[-1] in LINEAR_LEAVES
-    ]
+    kinds = [t.tensor_type for t in reader.tensors if (_key_path(t.name, family) or ("",))[-1] in INT4_LEAVES]
     return bool(kinds) and all(kind in INT4_BLOCK_TYPES for kind in kinds)
 
 
@@ -228,9 +229,11 @@ def int4_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, 
 
 
 def _host_int4(tensor: Any, key_path: KeyPath, family: Family, config: ModelConfig) -> Int4Weight:
-    """One 4-bit tensor as a host Int4Weight in our layout ([out, in], half-split Q/K rows)."""
-    data = tensor.data.reshape(-1, tensor.data.shape[-1])
-    q, scale, minimum = int4_blocks(data, tensor.tensor_type)
+    """One 4-bit tensor as a host Int4Weight in our layout ([out, in], half-split Q/K rows; stacked
+    expert weights [experts, out, in] with scale and minimum [experts, out, groups])."""
+    shape = tuple(reversed(tensor.shape.tolist()))  # numpy order: [..., out, in]
+    data = tensor.data.reshape(-1, tensor.data.shape[-1])  # [rows, row bytes]
+    q, scale, minimum = (a.reshape(*shape[:-1], -1) for a in int4_blocks(data, tensor.tensor_type))
     if family.gguf_permutes_qk and key_path[-1] in ("q_proj", "k_proj"):
         heads = config.num_heads if key_path[-1] == "q_proj" else config.num_kv_heads
         q, scale, minimum = (unpermute_rope_rows(a, heads) for a in (q, scale, minimum))

@@ -12,7 +12,9 @@ the rows routed to expert e), so no token is dropped (no capacity limit) and no 
 was not routed. `moe_mlp_reference` computes every expert for every token (the dense oracle).
 
 Expert weights are stacked [experts, out, in] in the project's [out, in] convention (y = x @ w.T), as a
-float array or an Int8Weight with q int8 [experts, out, in] and scale float32 [experts, out]. Gate and up
+float array, an Int8Weight with q int8 [experts, out, in] and scale float32 [experts, out], or an
+Int4Weight with packed uint8 [experts, out, in / 2] and scale and minimum float32 [experts, out, groups]
+(weight_formats.py; the kernels read its packed bytes as they are). Gate and up
 are two grouped matmuls by default; `up=None` takes `gate` as the fused gate_up [experts, 2 * inter,
 hidden] that transformers stores (`experts.gate_up_proj`: gate rows first, then up), one grouped matmul
 over both.
@@ -37,7 +39,7 @@ from jaxinfer.cpu_kernels.grouped_matmul import (
     grouped_matmul_cpu,
     grouped_matmul_cpu_reference,
 )
-from jaxinfer.weight_formats import Int8Weight
+from jaxinfer.weight_formats import Int4Weight, Int8Weight
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> h, e.g. silu(gate) * up
 
@@ -62,11 +64,19 @@ def route(router_logits: jax.Array, experts_per_token: int, normalize: bool) -> 
 
 
 def _dequantize(w, dtype=jnp.float32) -> jax.Array:
-    """A stacked expert weight [experts, out, in] (float, or Int8Weight with scale [experts, out]) as
-    `dtype`. (Int8Weight.dequantize broadcasts a 2-D weight's [out] scale, not a stacked one.)"""
+    """A stacked expert weight [experts, out, in] (float, Int8Weight with scale [experts, out] or
+    Int4Weight) as `dtype`, dequantised in float32 first."""
     if isinstance(w, Int8Weight):
         return (_int8_values(w).astype(jnp.float32) * w.scale[..., None]).astype(dtype)
+    if isinstance(w, Int4Weight):
+        return _int4_checked(w).dequantize(dtype)
     return w.astype(dtype)
+
+
+def _int4_checked(w: Int4Weight) -> Int4Weight:
+    if w.packed.ndim != 3:
+        raise ValueError(f"stacked int4 expert weights need packed [experts, out, in / 2]: {w.packed.shape}")
+    return w
 
 
 def _int8_values(w: Int8Weight) -> jax.Array:
@@ -79,16 +89,24 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, kernels: KernelConfi
     """x [rows, in] sorted by expert . w [experts, out, in] -> [rows, out] in x's dtype.
 
     Group g is rows sum(group_sizes[:g]) .. + group_sizes[g] (group_sizes int32 [experts]); rows past
-    sum(group_sizes) come out as zeros. `w` is a float array or an Int8Weight (q [experts, out, in],
-    scale [experts, out]). kernels.matmul == "native" with the kernel available: the C++ kernel (float32
-    arithmetic); otherwise lax.ragged_dot_general, int8 weights converted in the graph and scaled per row
-    after the product (exact: the scale is per output channel of each row's expert)."""
+    sum(group_sizes) come out as zeros. `w` is a float array, an Int8Weight (q [experts, out, in],
+    scale [experts, out]) or an Int4Weight (packed [experts, out, in / 2], scale and minimum [experts,
+    out, groups]). kernels.matmul == "native" with the kernel available: the C++ kernel (float32
+    arithmetic, the weights dequantised in registers); otherwise lax.ragged_dot_general, int8 weights
+    converted in the graph and scaled per row after the product (exact: the scale is per output channel of
+    each row's expert), int4 weights dequantised to x's dtype in the graph first (the reference form: it
+    materialises every expert's weight each call)."""
     if kernels.matmul == "native" and grouped_matmul_available():
         if isinstance(w, Int8Weight):
             y = grouped_matmul_cpu(x, _int8_values(w), w.scale, group_sizes)
+        elif isinstance(w, Int4Weight):
+            w = _int4_checked(w)
+            y = grouped_matmul_cpu(x, w.packed, w.scale, group_sizes, minimum=w.minimum)
         else:
             y = grouped_matmul_cpu(x, w, None, group_sizes)
         return y.astype(x.dtype)
+    if isinstance(w, Int4Weight):
+        w = _dequantize(w, x.dtype)
     if not isinstance(w, Int8Weight):
         y = jax.lax.ragged_dot_general(
             x,
@@ -118,11 +136,13 @@ def grouped_matmul_reference(x: jax.Array, w, group_sizes: jax.Array) -> jax.Arr
     dequantised weight gathered per row, one einsum -> float32 [rows, out] (zeros past the groups)."""
     if isinstance(w, Int8Weight):
         return grouped_matmul_cpu_reference(x, _int8_values(w), w.scale, group_sizes)
-    return grouped_matmul_cpu_reference(x, w, None, group_sizes)
+    return grouped_matmul_cpu_reference(x, _dequantize(w), None, group_sizes)
 
 
 def _num_experts(w) -> int:
-    return (w.q if isinstance(w, Int8Weight) else w).shape[0]
+    if isinstance(w, Int8Weight):
+        return w.q.shape[0]
+    return (w.packed if isinstance(w, Int4Weight) else w).shape[0]
 
 
 def _gate_up(xs: jax.Array, gate, up, group_sizes: jax.Array, kernels: KernelConfig):
@@ -148,7 +168,8 @@ def moe_mlp(
     """A sparse MoE gated MLP: x [tokens, hidden] -> [tokens, hidden] in x's dtype.
 
     router: float [experts, hidden]; gate, up: [experts, inter, hidden] and down: [experts, hidden,
-    inter], each a float array or an Int8Weight (q of that shape, scale [experts, out]); up=None takes
+    inter], each a float array, an Int8Weight (q of that shape, scale [experts, out]) or an Int4Weight of
+    that logical shape; up=None takes
     gate as the fused gate_up [experts, 2 * inter, hidden] (gate rows first, transformers' layout).
     activation(gate, up) -> h [.., inter], e.g. silu(gate) * up.
     weights_dtype: None keeps the routing weights float32 when mixing the experts' outputs (Mixtral);

@@ -75,8 +75,10 @@ def generate(
     timings = [_Timing() for _ in prompts]
     start = time.perf_counter()
 
-    def read(step: InFlight) -> None:
-        outputs: list[RequestOutput] = scheduler.update_from_output(step.plan, *step.results())
+    def read(step: InFlight, *, defer_text: bool = False) -> None:
+        take(scheduler.update_from_output(step.plan, *step.results(), defer_text=defer_text))
+
+    def take(outputs: list[RequestOutput]) -> None:
         now = time.perf_counter()
         for out in outputs:
             index = int(out.request_id)
@@ -96,16 +98,20 @@ def generate(
 
     in_flight = None
     while scheduler.has_work() or in_flight is not None:
-        if in_flight is not None and scheduler.needs_results_first():
-            read(in_flight)
+        # Structured output needs step n's tokens to plan step n + 1: read it first, and leave its text
+        # until n + 1 is dispatched.
+        text_waits = in_flight is not None and scheduler.needs_results_first()
+        if text_waits:
+            read(in_flight, defer_text=True)
             in_flight = None
-            continue
         plan = scheduler.schedule()
         now = time.perf_counter()
         for request_id in plan.admitted_request_ids:
             timing = timings[int(request_id)]
             timing.admitted = timing.admitted or now
         following = dispatch(engine, plan)
+        if text_waits:
+            take(scheduler.flush_text())
         if in_flight is not None:
             read(in_flight)
         in_flight = following

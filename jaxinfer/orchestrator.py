@@ -368,9 +368,11 @@ class Orchestrator:
                     self._cond.wait()
                 if self._stopping and in_flight is None and not scheduler.has_work():
                     return
+                # Structured output needs step n's tokens to plan step n + 1: read it first, and leave
+                # its text until n + 1 is dispatched.
                 read_first = in_flight is not None and scheduler.needs_results_first()
             if read_first:
-                self._read(in_flight)
+                self._read(in_flight, defer_text=True)
                 in_flight = None
             with self._cond:
                 plan = scheduler.schedule()
@@ -383,16 +385,23 @@ class Orchestrator:
                         handle.admitted_at = now
             # Dispatch step n+1 ...
             following = dispatch(engine, plan)
-            # ... then read step n while the device runs n+1.
+            # ... then read step n (or the text of step n, read first) while the device runs n+1.
+            if read_first:
+                with self._cond:
+                    self._push_outputs(scheduler.flush_text(), num_prefill=0)
+                    self._update_gauges()
+                    self._cond.notify_all()
             if in_flight is not None:
                 self._read(in_flight)
             in_flight = following
 
-    def _read(self, in_flight) -> None:
+    def _read(self, in_flight, *, defer_text: bool = False) -> None:
         """Waits for a dispatched step and hands its outputs to the stream thread."""
         prefill_out, decode_out = in_flight.results()
         with self._cond:
-            outputs = self._scheduler.update_from_output(in_flight.plan, prefill_out, decode_out)
+            outputs = self._scheduler.update_from_output(
+                in_flight.plan, prefill_out, decode_out, defer_text=defer_text
+            )
             self._update_gauges()
             self._push_outputs(outputs, num_prefill=in_flight.plan.num_prefill_tokens)
             self._cond.notify_all()  # stop() waits for the live count to drop

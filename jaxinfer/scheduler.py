@@ -267,6 +267,7 @@ class Scheduler:
         self._page_table = np.full((num_slots, self._pages_per_seq), NULL_PAGE, np.int32)
         self._step = 0
         self._admissions = itertools.count()
+        self._deferred_text: list[_News] = []  # update_from_output(defer_text=True) -> flush_text()
         # Counters for metrics (monotonic).
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
@@ -619,12 +620,22 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         prefill_result: StepOutput | None,
         decode_result: StepOutput | None,
+        *,
+        defer_text: bool = False,
     ) -> list[RequestOutput]:
         """Credits one dispatched step's tokens (prefill's first tokens, then decode's) and finds stops.
 
         A token is dropped when its slot's owner at dispatch has finished or been preempted since: it
         was sampled after the request ended on the host, or will be sampled again on recompute.
+
+        defer_text: leave the detokenising and stop-string matching of requests that go on to
+        `flush_text()`, and return only the requests that end here. A serving loop that must read a step
+        before planning the next (structured output: the next mask needs the last token) dispatches
+        that next step in between, so the device does not wait for the text; a stop string then ends
+        its request one step later, as it does whenever the loop reads a step after dispatching the next.
         """
+        if self._deferred_text:
+            raise RuntimeError("flush_text() must follow update_from_output(defer_text=True)")
         news: dict[str, _News] = {}
         finished: list[RequestOutput] = []
         for owners, result in [
@@ -647,9 +658,10 @@ class Scheduler:
                               result.top_logprobs[slot][: seq.sampling.logprobs].tolist())  # fmt: skip
                     entry.logprobs.append(TokenLogprobs(token, float(result.logprob[slot]), tuple(top)))
                 reason = None
+                deferred = defer_text and seq.text is not None
                 # A stop token's text is output like any other (vLLM's rule); special tokens such as
                 # eos detokenise to nothing.
-                if seq.text is not None:
+                if seq.text is not None and not deferred:
                     new_text, stop_string_hit = seq.text.add(token)
                     entry.texts.append(new_text)
                     reason = FinishReason.STOP if stop_string_hit else None
@@ -670,13 +682,46 @@ class Scheduler:
                     reason = FinishReason.STOP
                 if reason is None and len(seq.output_token_ids) >= seq.sampling.max_tokens:
                     reason = FinishReason.LENGTH
+                if reason is not None and deferred:  # it ends here: its text cannot wait
+                    new_text, stop_string_hit = seq.text.add(token)
+                    entry.texts.append(new_text)
+                    reason = FinishReason.STOP if stop_string_hit else reason
                 if reason is not None:
                     finished.append(self._finish_with_news(seq, reason, news))
                 else:
                     self._cache_full_pages(seq)
+        if defer_text:
+            self._deferred_text = list(news.values())
+            self._check_invariants()
+            return finished
         running = [
             self._output(n.seq, tuple(n.tokens), "".join(n.texts), tuple(n.logprobs)) for n in news.values()
         ]
+        self._check_invariants()
+        return finished + running
+
+    def flush_text(self) -> list[RequestOutput]:
+        """Detokenises the tokens update_from_output(defer_text=True) credited to requests that went on,
+        matches their stop strings, and returns their outputs (a request cancelled in between has
+        given its own)."""
+        deferred, self._deferred_text = self._deferred_text, []
+        finished, running = [], []
+        for n in deferred:
+            seq = n.seq
+            if self._requests.get(seq.request_id) is not seq:
+                continue
+            reason = None
+            for token in n.tokens:
+                new_text, stop_string_hit = seq.text.add(token)
+                n.texts.append(new_text)
+                reason = reason or (FinishReason.STOP if stop_string_hit else None)
+            if reason is not None:
+                finished.append(
+                    self._finish(seq, reason, new_tokens=tuple(n.tokens), new_text="".join(n.texts),
+                                 new_logprobs=tuple(n.logprobs))
+                )  # fmt: skip
+            else:
+                running.append(self._output(seq, tuple(n.tokens), "".join(n.texts), tuple(n.logprobs)))
         self._check_invariants()
         return finished + running
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 
 import jsonschema
@@ -156,3 +157,26 @@ def test_logprobs_equal_transformers_and_json_follows_the_schema_on_the_device(
         )  # fmt: skip
         assert r.choices[0].finish_reason == "stop"
         jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+
+def test_structured_output_reads_first_and_its_stop_strings_still_cut_the_text(runtime):
+    """With a constrained request running, the loop reads each step before planning the next and leaves
+    the detokenising until the next step is dispatched (Scheduler.flush_text): a stop string must still
+    end the constrained request at the same token and text, and an unconstrained neighbour's tokens must
+    not change."""
+    from jaxinfer.request import StructuredKind, StructuredOutput
+
+    tok = runtime.tokenizer
+    constraint = StructuredOutput(StructuredKind.REGEX, "(ab|cd)( (ab|cd)){20}")
+    free = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [tok.encode("Pick letters:"), tok.encode("The weather today")]
+    whole = SamplingParams(temperature=0.0, max_tokens=48, structured_output=constraint)
+    full, alone = generate(runtime.engine, tok, prompts, [whole, free])
+    assert full.text.count(" ") >= 3, full.text
+    stop = " " + full.text.split(" ")[3]  # the fourth pair with its space: first seen at a known place
+    with_stop = dataclasses.replace(whole, stop=(stop,))
+    stopped, neighbour = generate(runtime.engine, tok, prompts, [with_stop, free])
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[: full.text.index(stop)]
+    assert stopped.token_ids == full.token_ids[: len(stopped.token_ids)]
+    assert neighbour.token_ids == alone.token_ids

@@ -15,7 +15,6 @@ import pytest
 
 from jaxinfer.config import KernelConfig, ModelConfig
 from jaxinfer.cpu_kernels.grouped_matmul import grouped_matmul_available, grouped_matmul_cpu
-from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
 from jaxinfer.evaluation import teacher_forced_logits
 from jaxinfer.loading.gguf_loader import linear_weights_are_4bit, load_gguf, open_gguf
 from jaxinfer.models.moe import grouped_matmul, grouped_matmul_reference, moe_mlp, moe_mlp_reference
@@ -37,19 +36,7 @@ from jaxinfer.weight_formats import (
     is_quantized,
     quantize_int4,
 )
-
-CPU_ISAS = [isa.name for isa in ISAS if cpu_supports(isa) and grouped_matmul_available(isa.name)]
-needs_native = pytest.mark.skipif(not grouped_matmul_available(), reason="native kernel unavailable here")
-MATMULS = ["xla", pytest.param("native", marks=needs_native)]
-
-
-def _rel(a, b) -> float:
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate) * up
+from tests.test_moe import CPU_ISAS, MATMULS, _rel, needs_native, swiglu
 
 
 def _int4(rng, shape, group_size: int = 32) -> Int4Weight:

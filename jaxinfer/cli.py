@@ -61,7 +61,11 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
         help="do not reuse the KV pages of earlier requests' common prefixes",
     )  # fmt: skip
     p.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prefill bucket")
-    p.add_argument("--mesh", default=None, help="device mesh, e.g. 'data=2,tensor=4' (default: one device)")
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="device mesh, e.g. 'data=2,tensor=4' or 'expert=4,tensor=2' (default: one device)",
+    )
     p.add_argument(
         "--quantize", default="auto", choices=["auto", *QUANTIZATION_MODES],
         help="weight quantisation; int4 repacks a GGUF file's 4-bit blocks as they are (its other tensors "

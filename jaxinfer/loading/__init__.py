@@ -1,6 +1,6 @@
 """Weight loading: GGUF files, Hugging Face safetensors folders and jaxinfer's own orbax checkpoints.
 
-Every loader returns a LoadedModel whose params follow jaxinfer/params.py, placed leaf by leaf with a
+Every loader returns a LoadedModel whose params follow jaxinfer/models/params.py, placed leaf by leaf with a
 `Placement` (default: everything on the first device), and raises ModelLoadError for files it cannot use.
 """
 

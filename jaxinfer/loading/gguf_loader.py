@@ -11,13 +11,14 @@ onto one group's scale and minimum, so the model computes the file's own values.
 way, their rows repacked as one [experts * out, in] matrix. Tensors in other types load as float as
 usual (quantization.quantize_params then takes them to int8).
 
-Two conversions turn llama.cpp's conventions into ours (jaxinfer/params.py):
-  * Llama Q/K rows are stored permuted for adjacent-pair RoPE; we un-permute them to the half-split
-    layout (Q with num_heads, K with num_kv_heads). Gemma 3 files are written unpermuted.
-  * Gemma 3 norm weights are stored with the +1 already folded in, which is our convention too.
-
-Gemma 3 facts the metadata leaves out and we fill in: every sixth layer is global (layer i is full
-attention iff (i + 1) % 6 == 0) and the local layers' RoPE base is 10000.
+Conventions of llama.cpp's files against ours (jaxinfer/models/params.py):
+  * "llama"-architecture Q/K rows are stored permuted for adjacent-pair RoPE (Family.gguf_permutes_qk);
+    we un-permute them to the half-split layout (Q with num_heads, K with num_kv_heads).
+  * Gemma norm weights are stored with the +1 already folded in, which is our convention too.
+  * Fused tensors (Phi-3's attn_qkv and ffn_up) split into their leaves; expert tensors come stacked
+    [experts, out, in] already.
+Facts a family's files leave out (Gemma 3's layer pattern and local RoPE base, Gemma's query scale,
+Qwen3-MoE's routing normalisation) come from its Hugging Face defaults and `Family.gguf_facts`.
 
 Reading the header of a file with a large vocabulary is slow (GGUFReader parses every token string;
 ~10 s for Gemma 3's 262k tokens here), so both entry points accept an open `gguf.GGUFReader` to share.

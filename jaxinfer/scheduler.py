@@ -187,6 +187,19 @@ class _News:
     texts: list[str] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
 
+    def add_text(self, token: int) -> FinishReason | None:
+        """Detokenises one token of the request (a stop token's text is output like any other, vLLM's
+        rule; special tokens such as eos detokenise to nothing); STOP when a stop string completes."""
+        new_text, stop_string_hit = self.seq.text.add(token)
+        self.texts.append(new_text)
+        return FinishReason.STOP if stop_string_hit else None
+
+    def fields(self) -> dict:
+        """The RequestOutput fields of what the step brought (Scheduler._output / _finish)."""
+        return dict(
+            new_tokens=tuple(self.tokens), new_text="".join(self.texts), new_logprobs=tuple(self.logprobs)
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class SchedulerOutput:
@@ -657,14 +670,8 @@ class Scheduler:
                     top = zip(result.top_ids[slot][: seq.sampling.logprobs].tolist(),
                               result.top_logprobs[slot][: seq.sampling.logprobs].tolist())  # fmt: skip
                     entry.logprobs.append(TokenLogprobs(token, float(result.logprob[slot]), tuple(top)))
-                reason = None
                 deferred = defer_text and seq.text is not None
-                # A stop token's text is output like any other (vLLM's rule); special tokens such as
-                # eos detokenise to nothing.
-                if seq.text is not None and not deferred:
-                    new_text, stop_string_hit = seq.text.add(token)
-                    entry.texts.append(new_text)
-                    reason = FinishReason.STOP if stop_string_hit else None
+                reason = entry.add_text(token) if seq.text is not None and not deferred else None
                 if bool(result.done[slot]):
                     device_reason = int(result.reason[slot])
                     if device_reason not in (FINISH_STOP, FINISH_LENGTH):
@@ -683,20 +690,16 @@ class Scheduler:
                 if reason is None and len(seq.output_token_ids) >= seq.sampling.max_tokens:
                     reason = FinishReason.LENGTH
                 if reason is not None and deferred:  # it ends here: its text cannot wait
-                    new_text, stop_string_hit = seq.text.add(token)
-                    entry.texts.append(new_text)
-                    reason = FinishReason.STOP if stop_string_hit else reason
+                    reason = entry.add_text(token) or reason
                 if reason is not None:
-                    finished.append(self._finish_with_news(seq, reason, news))
+                    finished.append(self._finish(seq, reason, **news.pop(seq.request_id).fields()))
                 else:
                     self._cache_full_pages(seq)
         if defer_text:
             self._deferred_text = list(news.values())
             self._check_invariants()
             return finished
-        running = [
-            self._output(n.seq, tuple(n.tokens), "".join(n.texts), tuple(n.logprobs)) for n in news.values()
-        ]
+        running = [self._output(n.seq, **n.fields()) for n in news.values()]
         self._check_invariants()
         return finished + running
 
@@ -712,26 +715,13 @@ class Scheduler:
                 continue
             reason = None
             for token in n.tokens:
-                new_text, stop_string_hit = seq.text.add(token)
-                n.texts.append(new_text)
-                reason = reason or (FinishReason.STOP if stop_string_hit else None)
+                reason = n.add_text(token) or reason
             if reason is not None:
-                finished.append(
-                    self._finish(seq, reason, new_tokens=tuple(n.tokens), new_text="".join(n.texts),
-                                 new_logprobs=tuple(n.logprobs))
-                )  # fmt: skip
+                finished.append(self._finish(seq, reason, **n.fields()))
             else:
-                running.append(self._output(seq, tuple(n.tokens), "".join(n.texts), tuple(n.logprobs)))
+                running.append(self._output(seq, **n.fields()))
         self._check_invariants()
         return finished + running
-
-    def _finish_with_news(
-        self, seq: SequenceState, reason: FinishReason, news: dict[str, _News]
-    ) -> RequestOutput:
-        n = news.pop(seq.request_id)
-        return self._finish(
-            seq, reason, new_tokens=tuple(n.tokens), new_text="".join(n.texts), new_logprobs=tuple(n.logprobs)
-        )
 
     def _check_invariants(self) -> None:
         """A slot is free exactly when no live request owns it; waiting requests own neither slots nor

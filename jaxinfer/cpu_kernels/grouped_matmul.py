@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.cpu_kernels.native_build import NativeKernel
-from jaxinfer.weight_formats import Int4Weight
+from jaxinfer.weight_formats import Int4Weight, Int8Weight
 
 SYMBOL_F32 = "jaxinfer_grouped_matmul_f32"  # float32 weights; each ISA variant: SYMBOL + isa.suffix
 SYMBOL_INT8 = "jaxinfer_grouped_matmul_int8"  # int8 weights with per-output scales
@@ -92,6 +92,13 @@ def grouped_matmul_cpu(
     return call(x, w, scale.astype(jnp.float32), group_sizes)
 
 
+def row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
+    """int32 [rows]: the group each row of a grouped product belongs to; rows past sum(group_sizes) get
+    the number of groups."""
+    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
+    return jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
 def grouped_matmul_cpu_reference(
     x: jax.Array,
     w: jax.Array,
@@ -102,14 +109,13 @@ def grouped_matmul_cpu_reference(
 ) -> jax.Array:
     """The kernel's product in plain JAX: each row's group from the sizes, that group's (dequantised)
     weight gathered per row; rows past the last group are zeros. Arguments as grouped_matmul_cpu's."""
-    rows, experts = x.shape[0], w.shape[0]
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    group = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")  # E past the end
+    experts = w.shape[0]
+    group = row_groups(group_sizes, x.shape[0])
     if minimum is not None:
         group_size = 2 * w.shape[-1] // scale.shape[-1]
         w = Int4Weight(w, scale, minimum, group_size).dequantize()
     elif scale is not None:
-        w = w.astype(jnp.float32) * scale[..., None]
+        w = Int8Weight(w, scale).dequantize()
     else:
         w = w.astype(jnp.float32)
     picked = jnp.take(w, jnp.minimum(group, experts - 1), axis=0)  # [rows, out, in]

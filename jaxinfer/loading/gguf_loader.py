@@ -41,7 +41,7 @@ from jaxinfer.loading.common import (
     Placement,
     aligned_empty,
 )
-from jaxinfer.models.families import family_for_gguf
+from jaxinfer.models.families import family_for_gguf, family_named
 from jaxinfer.models.family import Family
 from jaxinfer.quantization import INT4_LEAVES
 from jaxinfer.weight_formats import Int4Weight
@@ -164,8 +164,8 @@ def load_gguf(
     """Reads config and weights from a GGUF file, dequantising (or, with int4, repacking 4-bit blocks)
     and placing one tensor at a time."""
     reader = open_gguf(path)
-    family = gguf_family(reader)
-    config = family.build_config(_hf_config_dict(reader, family))
+    config = config_from_gguf(reader)
+    family = family_named(config.arch)
     builder = ParamsBuilder(config, dtype=dtype, placement=placement)
     for tensor in reader.tensors:
         key_path = _key_path(tensor.name, family)

@@ -38,8 +38,9 @@ from jaxinfer.cpu_kernels.grouped_matmul import (
     grouped_matmul_available,
     grouped_matmul_cpu,
     grouped_matmul_cpu_reference,
+    row_groups,
 )
-from jaxinfer.weight_formats import Int4Weight, Int8Weight
+from jaxinfer.weight_formats import Int4Weight, Int8Weight, logical_shape
 
 Activation = Callable[[jax.Array, jax.Array], jax.Array]  # (gate, up) -> h, e.g. silu(gate) * up
 
@@ -67,7 +68,8 @@ def _dequantize(w, dtype=jnp.float32) -> jax.Array:
     """A stacked expert weight [experts, out, in] (float, Int8Weight with scale [experts, out] or
     Int4Weight) as `dtype`, dequantised in float32 first."""
     if isinstance(w, Int8Weight):
-        return (_int8_values(w).astype(jnp.float32) * w.scale[..., None]).astype(dtype)
+        _int8_values(w)
+        return w.dequantize(dtype)
     if isinstance(w, Int4Weight):
         return _int4_checked(w).dequantize(dtype)
     return w.astype(dtype)
@@ -105,30 +107,17 @@ def grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, kernels: KernelConfi
         else:
             y = grouped_matmul_cpu(x, w, None, group_sizes)
         return y.astype(x.dtype)
-    if isinstance(w, Int4Weight):
-        w = _dequantize(w, x.dtype)
-    if not isinstance(w, Int8Weight):
-        y = jax.lax.ragged_dot_general(
-            x,
-            w.astype(x.dtype),
-            group_sizes.astype(jnp.int32),
-            _RAGGED_DIMS,
-            preferred_element_type=jnp.float32,
-        )
-        return y.astype(x.dtype)
-    q = _int8_values(w)
+    int8 = isinstance(w, Int8Weight)
+    operand = _int8_values(w) if int8 else _dequantize(w, x.dtype)
     y = jax.lax.ragged_dot_general(
-        x, q.astype(x.dtype), group_sizes.astype(jnp.int32), _RAGGED_DIMS, preferred_element_type=jnp.float32
-    )
-    row_scale = jnp.take(w.scale.astype(jnp.float32), _row_groups(group_sizes, x.shape[0]), axis=0)
-    return (y * row_scale).astype(x.dtype)  # rows past the groups are zero already
-
-
-def _row_groups(group_sizes: jax.Array, rows: int) -> jax.Array:
-    """int32 [rows]: each row's group, clipped to the last group for rows past sum(group_sizes)."""
-    ends = jnp.cumsum(group_sizes.astype(jnp.int32))
-    group = jnp.searchsorted(ends, jnp.arange(rows, dtype=jnp.int32), side="right")
-    return jnp.minimum(group, group_sizes.shape[0] - 1).astype(jnp.int32)
+        x, operand.astype(x.dtype), group_sizes.astype(jnp.int32), _RAGGED_DIMS,
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
+    if int8:
+        # Rows past the groups are zero already; clip their group index to a real expert.
+        groups = jnp.minimum(row_groups(group_sizes, x.shape[0]), group_sizes.shape[0] - 1)
+        y = y * jnp.take(w.scale.astype(jnp.float32), groups, axis=0)
+    return y.astype(x.dtype)
 
 
 def grouped_matmul_reference(x: jax.Array, w, group_sizes: jax.Array) -> jax.Array:
@@ -137,12 +126,6 @@ def grouped_matmul_reference(x: jax.Array, w, group_sizes: jax.Array) -> jax.Arr
     if isinstance(w, Int8Weight):
         return grouped_matmul_cpu_reference(x, _int8_values(w), w.scale, group_sizes)
     return grouped_matmul_cpu_reference(x, _dequantize(w), None, group_sizes)
-
-
-def _num_experts(w) -> int:
-    if isinstance(w, Int8Weight):
-        return w.q.shape[0]
-    return (w.packed if isinstance(w, Int4Weight) else w).shape[0]
 
 
 def _gate_up(xs: jax.Array, gate, up, group_sizes: jax.Array, kernels: KernelConfig):
@@ -179,7 +162,7 @@ def moe_mlp(
     three grouped matmuls (gate and up, down), each output row scaled by its routing weight and added back
     to its token (`.at[].add`). Every token keeps all k experts (no capacity limit)."""
     tokens, _ = x.shape
-    experts = _num_experts(down)
+    experts = logical_shape(down)[0]
     logits = jnp.dot(x.astype(jnp.float32), router.astype(jnp.float32).T)  # [tokens, experts]
     weights, chosen = route(logits, experts_per_token, normalize)  # [tokens, k] each
     flat = chosen.reshape(-1)  # [tokens * k]: assignment a = t * k + j
@@ -218,7 +201,7 @@ def moe_mlp_reference(
     weights, chosen = route(logits, experts_per_token, normalize)
     if weights_dtype is not None:
         weights = weights.astype(weights_dtype).astype(jnp.float32)
-    mix = jnp.zeros((tokens, _num_experts(down)), jnp.float32)
+    mix = jnp.zeros((tokens, logical_shape(down)[0]), jnp.float32)
     mix = mix.at[jnp.arange(tokens)[:, None], chosen].add(weights)  # [tokens, experts]
     xf = x.astype(jnp.float32)
     if up is None:

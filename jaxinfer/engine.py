@@ -54,41 +54,61 @@ class PrefillChunk:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
-    """One decode step's rows, from the scheduler. Both arrays are indexed by slot.
+    """One decode step's rows, from the scheduler. Arrays are indexed by slot.
 
     positions:  [num_slots] int32: the position of each slot's input token (its request's length so
                 far); -1 leaves the slot out of the step.
-    page_table: [num_slots, pages] int32: each slot's pages in position order, covering its position;
-                entries past a request's pages are the null page (kv_cache.NULL_PAGE).
+    page_table: [num_slots, pages] int32: each slot's pages in position order, covering its position
+                (and its drafts' positions); entries past a request's pages are the null page
+                (kv_cache.NULL_PAGE).
     token_mask: [num_slots, ceil(vocab / 32)] int32 bitmasks of the tokens each slot may sample
                 (structured output; a row of -1 allows all), or None when no slot is constrained.
+    drafts:     [num_slots, k] int32 draft tokens to verify after each slot's input token (speculative
+                decoding), -1 past a slot's drafts; None: a plain step, one token per slot. A slot with
+                drafts outputs between 1 and k + 1 tokens (StepOutput.num_tokens).
     """
 
     positions: np.ndarray
     page_table: np.ndarray
     token_mask: np.ndarray | None = None
+    drafts: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
-    """One decode step, on the host. All arrays are [num_slots].
+    """One step, on the host. Arrays are indexed by slot; T is the most tokens a slot can output in
+    the step (1, or k + 1 when drafts were verified).
 
-    token:  the sampled token of each slot (meaningless where `valid` is False).
-    valid:  the slot was active at this step and produced `token`.
-    done:   this token ended the request on the device: a stop token id, max_tokens, or the context end.
-    reason: why it ended (FINISH_* codes below) where done.
-    logprob, top_ids, top_logprobs: the token's log-probability [num_slots] float32 and the
-            MAX_TOP_LOGPROBS most likely tokens [num_slots, MAX_TOP_LOGPROBS] (ids int32, float32);
-            meaningful only for slots whose request asked for log-probabilities.
+    tokens:     [num_slots, T] the tokens each slot output, in order (meaningful up to num_tokens).
+    num_tokens: [num_slots] how many; 0 where the slot was not active at this step.
+    done:       the last token ended the request on the device: a stop token id, max_tokens, or the
+                context end.
+    reason:     why it ended (FINISH_* codes below) where done.
+    logprobs, top_ids, top_logprobs: each token's log-probability [num_slots, T] float32 and the
+                MAX_TOP_LOGPROBS most likely tokens [num_slots, T, MAX_TOP_LOGPROBS] (ids int32,
+                float32); meaningful only for slots whose request asked for log-probabilities.
+    drafts:     [num_slots, depth] the draft heads' proposals for the tokens after the last one
+                (speculation.draft_heads), or None when the engine has no heads.
     """
 
-    token: np.ndarray
-    valid: np.ndarray
+    tokens: np.ndarray
+    num_tokens: np.ndarray
     done: np.ndarray
     reason: np.ndarray
-    logprob: np.ndarray
+    logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    drafts: np.ndarray | None = None
+
+    @property
+    def valid(self) -> np.ndarray:
+        """[num_slots] bool: the slot was active at this step."""
+        return self.num_tokens > 0
+
+    @property
+    def token(self) -> np.ndarray:
+        """[num_slots]: each slot's last token of the step."""
+        return self.tokens[np.arange(len(self.tokens)), np.maximum(self.num_tokens - 1, 0)]
 
 
 FINISH_NONE, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -137,8 +157,19 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def decode(self, batch: DecodeBatch) -> PendingStep:
-        """Samples one token for every listed slot that is active on the device; a slot whose token is
-        `done` becomes inactive."""
+        """Samples one token for every listed slot that is active on the device (with drafts: verifies
+        them, and outputs the accepted ones and one more); a slot whose token is `done` becomes
+        inactive."""
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """Most drafts a DecodeBatch may carry per slot; 0: the engine does not verify drafts."""
+        return 0
+
+    @property
+    def draft_heads_depth(self) -> int:
+        """Drafts the engine's draft heads propose per step (StepOutput.drafts); 0: no heads."""
+        return 0
 
     def warmup(self) -> float:
         """Compiles every program the engine will run; returns the seconds it took."""

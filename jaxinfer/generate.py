@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from jaxinfer.engine import Engine
 from jaxinfer.request import FinishReason, SamplingParams, check_request, with_eos
 from jaxinfer.scheduler import InFlight, RequestOutput, Scheduler, TokenLogprobs, dispatch
+from jaxinfer.speculation.config import SpeculationConfig
 from jaxinfer.structured_output import GrammarCompiler
 from jaxinfer.tokenizer import Tokenizer
 
@@ -31,6 +32,8 @@ class Completion:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_draft_tokens: int = 0  # speculative decoding: tokens drafted, and accepted
+    num_accepted_tokens: int = 0
     logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)  # when asked for
 
     def to_json(self) -> dict:
@@ -52,8 +55,10 @@ def generate(
     *,
     on_text: Callable[[int, str], None] | None = None,
     enable_prefix_caching: bool = True,
+    speculation: SpeculationConfig | None = None,
 ) -> list[Completion]:
-    """Generates for every prompt (token ids); `on_text(prompt_index, new_text)` streams text as it forms."""
+    """Generates for every prompt (token ids); `on_text(prompt_index, new_text)` streams text as it forms.
+    speculation: draft and verify tokens (the engine must verify as many drafts per step)."""
     if len(prompts) != len(sampling):
         raise ValueError(f"{len(prompts)=} but {len(sampling)=}")
     for ids, s in zip(prompts, sampling):
@@ -68,6 +73,8 @@ def generate(
         enable_prefix_caching=enable_prefix_caching,
         detokenizer_factory=tokenizer.detokenizer,
         grammar_compiler=GrammarCompiler(tokenizer) if any(s.structured_output for s in sampling) else None,
+        speculation=speculation,
+        draft_heads_depth=engine.draft_heads_depth,
     )
     for index, (ids, s) in enumerate(zip(prompts, sampling)):
         scheduler.add_request(str(index), ids, with_eos(s, tokenizer.eos_ids))
@@ -90,6 +97,7 @@ def generate(
             c.text += out.new_text
             c.logprobs.extend(out.new_logprobs)
             c.num_cached_tokens = out.num_cached_tokens
+            c.num_draft_tokens, c.num_accepted_tokens = out.num_draft_tokens, out.num_accepted_tokens
             if out.new_text and on_text is not None:
                 on_text(index, out.new_text)
             if out.finish_reason is not None:

@@ -31,18 +31,20 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import engine as api
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
-from jaxinfer.kernel_dispatch import ROWS_AS_VECTORS, native_decode_attention
+from jaxinfer.kernel_dispatch import MAX_QUERIES_AS_ROWS, ROWS_AS_VECTORS, native_decode_attention
 from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.models.params import Params
-from jaxinfer.models.transformer import forward
+from jaxinfer.models.transformer import forward_hidden, output_logits
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
-from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs
+from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs, verify_drafts
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
+from jaxinfer.speculation.draft_heads import DraftHeads, propose
 from jaxinfer.structured_output import ALLOW_ALL, allow_all, mask_words
 
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 16  # stop token ids per request checked on device (eos ids included)
+MAX_SPECULATIVE_ROWS = 8  # verification steps run for up to this many rows (the row buckets up to it)
 
 
 @jax.tree_util.register_dataclass
@@ -75,27 +77,50 @@ def _finish(
     return hit_stop | too_long, reason.astype(jnp.int32)
 
 
-PACKED_WIDTH = 5 + 2 * MAX_TOP_LOGPROBS
+def packed_width(t: int, depth: int) -> int:
+    """Columns of a step's packed result: up to t tokens per slot, `depth` head drafts."""
+    return 3 + t * (2 + 2 * MAX_TOP_LOGPROBS) + depth
 
 
-def _pack(token, valid, done, reason, logprobs) -> jax.Array:
-    """One [n, PACKED_WIDTH] int32 array per step (copying one array to the host beats several):
-    token, valid, done, reason, the token's log-probability, the top ids, their log-probabilities
-    (floats as their int32 bits)."""
+def _pack(tokens, num_tokens, done, reason, logprobs, drafts) -> jax.Array:
+    """One [n, packed_width] int32 array per step (copying one array to the host beats several):
+    num_tokens, done, reason, the tokens [T], their log-probabilities [T], the top ids [T, K] and their
+    log-probabilities [T, K] (floats as their int32 bits), the head drafts [depth].
+
+    tokens: [n, T]; num_tokens, done, reason: [n]; logprobs: ([n, T], [n, T, k], [n, T, k]) with
+    k <= MAX_TOP_LOGPROBS; drafts: [n, depth] or None."""
     chosen, top_vals, top_ids = logprobs
+    n, t = tokens.shape
 
     def bits(x):
         return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
 
-    flags = jnp.stack([token, valid.astype(jnp.int32), done.astype(jnp.int32), reason, bits(chosen)], -1)
-    pad = MAX_TOP_LOGPROBS - top_ids.shape[-1]  # a vocabulary smaller than MAX_TOP_LOGPROBS
-    top_ids, top_vals = (jnp.pad(a, ((0, 0), (0, pad))) for a in (top_ids, bits(top_vals)))
-    return jnp.concatenate([flags, top_ids, top_vals], axis=-1)
+    pad = ((0, 0), (0, 0), (0, MAX_TOP_LOGPROBS - top_ids.shape[-1]))  # a vocabulary below MAX_TOP_LOGPROBS
+    top_ids, top_vals = jnp.pad(top_ids, pad), jnp.pad(bits(top_vals), pad)
+    flags = jnp.stack([num_tokens, done.astype(jnp.int32), reason], -1)
+    parts = [flags, tokens, bits(chosen), top_ids.reshape(n, -1), top_vals.reshape(n, -1)]
+    if drafts is not None:
+        parts.append(drafts)
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _step_logprobs(logits, tokens, settings, t: int):
+    """token_logprobs over logits [n * t, vocab] for tokens [n, t], shaped [n, t, ...]."""
+    n = tokens.shape[0]
+    rows = jax.tree.map(lambda a: jnp.repeat(a, t, axis=0), settings) if t > 1 else settings
+    chosen, vals, ids = token_logprobs(logits, tokens.reshape(-1), rows, MAX_TOP_LOGPROBS)
+    return chosen.reshape(n, t), vals.reshape(n, t, -1), ids.reshape(n, t, -1)
+
+
+def _propose(heads, params, config, hidden, token):
+    """The heads' drafts after `token` [n] from hidden [n, hidden_size]; None without heads."""
+    return None if heads is None else propose(heads, params, config, hidden, token, heads.depth)
 
 
 def _prefill_step(
     params: Params,
     state: DecodeState,
+    heads: DraftHeads | None,
     tokens: jax.Array,  # [1, T] int32, padded
     chunk: jax.Array,  # int32 [5]: slot, start, true_len, is_last, num_generated
     page_row: jax.Array,  # [1, N] int32: the request's first N pages
@@ -114,12 +139,11 @@ def _prefill_step(
     t = tokens.shape[1]
     offsets = jnp.arange(t, dtype=jnp.int32)
     positions = jnp.where(offsets < true_len, start + offsets, -1)[None]  # padding writes nothing
-    logits, cache = forward(
-        params, config, tokens, positions, state.cache, page_row,
-        logits_index=jnp.maximum(true_len - 1, 0)[None], kernels=kernels,
-    )  # fmt: skip
+    hidden, cache = forward_hidden(params, config, tokens, positions, state.cache, page_row, kernels=kernels)
+    hidden = jax.lax.dynamic_index_in_dim(hidden[0], jnp.maximum(true_len - 1, 0), keepdims=True)  # [1, h]
+    logits = output_logits(params, config, hidden, kernels)
     token = sample(logits, counts_row, settings, num_generated[None], mask_row)  # [1]
-    logprobs = token_logprobs(logits, token, settings, MAX_TOP_LOGPROBS)
+    logprobs = _step_logprobs(logits, token[:, None], settings, 1)
     length = start + true_len
     generated = num_generated + 1
     done, reason = _finish(stop_ids, max_tokens, token, generated[None], length[None], max_len)
@@ -138,14 +162,16 @@ def _prefill_step(
         counts=put(state.counts, counts_row[0].at[token[0]].add(1)),
     )
     num_slots = state.tokens.shape[0]
-    row = _pack(token, is_last[None], done, reason, logprobs)
-    out = jnp.zeros((num_slots, PACKED_WIDTH), jnp.int32).at[slot].set(row[0])
+    drafts = _propose(heads, params, config, hidden, token)
+    row = _pack(token[:, None], is_last.astype(jnp.int32)[None], done, reason, logprobs, drafts)
+    out = jnp.zeros((num_slots, row.shape[1]), jnp.int32).at[slot].set(row[0])
     return state, out
 
 
 def _decode_step(
     params: Params,
     state: DecodeState,
+    heads: DraftHeads | None,
     positions: jax.Array,  # [R] int32: each row's input position, -1 for rows left out
     page_table: jax.Array,  # [R, N] int32
     mask: jax.Array,  # [R, ceil(vocab / 32)] int32: tokens each row may sample (sampling.py)
@@ -161,14 +187,14 @@ def _decode_step(
     rows = jnp.arange(n, dtype=jnp.int32)
     active = state.active[:n] & (positions >= 0)
     positions = jnp.where(active, positions, -1)
-    logits, cache = forward(
-        params, config, state.tokens[:n, None], positions[:, None], state.cache, page_table,
-        logits_index=jnp.zeros(n, jnp.int32), kernels=kernels,
-    )  # fmt: skip
+    hidden, cache = forward_hidden(
+        params, config, state.tokens[:n, None], positions[:, None], state.cache, page_table, kernels=kernels
+    )
+    logits = output_logits(params, config, hidden[:, 0], kernels)
     sampling = jax.tree.map(lambda a: a[:n], state.sampling)
     counts = state.counts[:n]
     token = sample(logits, counts, sampling, state.generated[:n], mask)
-    logprobs = token_logprobs(logits, token, sampling, MAX_TOP_LOGPROBS)
+    logprobs = _step_logprobs(logits, token[:, None], sampling, 1)
     generated = state.generated[:n] + 1
     done, reason = _finish(state.stop_ids[:n], state.max_tokens[:n], token, generated, positions + 1, max_len)
     done &= active
@@ -184,10 +210,89 @@ def _decode_step(
         active=put(state.active, state.active[:n] & ~done),
         counts=put(state.counts, counts.at[rows, token].add(active.astype(jnp.int32))),
     )
-    packed = _pack(token, active, done, reason, logprobs)
-    if n < num_slots:
-        packed = jnp.concatenate([packed, jnp.zeros((num_slots - n, PACKED_WIDTH), jnp.int32)])
-    return state, packed
+    packed = _pack(token[:, None], active.astype(jnp.int32), done, reason, logprobs, None)
+    return state, _all_slots(packed, num_slots)
+
+
+def _all_slots(packed: jax.Array, num_slots: int) -> jax.Array:
+    """A step's packed rows [n, w] for the first n slots, padded to every slot."""
+    n = packed.shape[0]
+    return packed if n == num_slots else jnp.pad(packed, ((0, num_slots - n), (0, 0)))
+
+
+def _verify_step(
+    params: Params,
+    state: DecodeState,
+    heads: DraftHeads | None,
+    positions: jax.Array,  # [R] int32: each row's input position, -1 for rows left out
+    drafts: jax.Array,  # [R, k] int32: drafts after each row's input token, -1 past its drafts
+    page_table: jax.Array,  # [R, N] int32, covering every draft's position
+    mask: jax.Array,  # [R, ceil(vocab / 32)] int32: tokens each row's first output may be
+    *,
+    config: ModelConfig,
+    kernels: KernelConfig,
+    max_len: int,
+) -> tuple[DecodeState, jax.Array]:
+    """A decode step that also verifies drafts: each row's last token and its k drafts run through
+    the model as k + 1 positions in one forward, sampling.verify_drafts keeps the drafts the target
+    agrees with, and the row outputs those plus the target's next token (1 to k + 1 tokens).
+
+    Every input's K/V entry is written; entries past a row's accepted tokens are left behind and
+    overwritten by the next step, which writes from the row's new length on (attention never reads
+    past a query's own position). The host owns the lengths: it learns each row's advance from
+    `num_tokens` in the result."""
+    n, k = drafts.shape
+    t, num_slots = k + 1, state.tokens.shape[0]
+    rows = jnp.arange(n, dtype=jnp.int32)
+    offsets = jnp.arange(t, dtype=jnp.int32)
+    active = state.active[:n] & (positions >= 0)
+    num_drafts = jnp.sum(jnp.cumprod(drafts >= 0, axis=1), axis=1)
+    fed = active[:, None] & (offsets[None] <= num_drafts[:, None])  # inputs past a row's drafts: none
+    inputs = jnp.concatenate([state.tokens[:n, None], jnp.maximum(drafts, 0)], axis=1)  # [n, t]
+    hidden, cache = forward_hidden(
+        params, config, inputs, jnp.where(fed, positions[:, None] + offsets, -1), state.cache,
+        page_table, kernels=kernels,
+    )  # fmt: skip
+    logits = output_logits(params, config, hidden, kernels)  # [n, t, vocab]
+    sampling = jax.tree.map(lambda a: a[:n], state.sampling)
+    counts, generated = state.counts[:n], state.generated[:n]
+    drafts = jnp.where(fed[:, 1:], drafts, -1)
+    tokens, accepted = verify_drafts(logits, drafts, counts, sampling, generated, mask)
+
+    # The request may end inside the accepted run: at a stop id, max_tokens or the context end.
+    out_index = offsets[None]  # [1, t]: output j is the row's (generated + j + 1)-th token
+    hit_stop = jnp.any(state.stop_ids[:n, None, :] == tokens[:, :, None], axis=-1)
+    too_long = (generated[:, None] + out_index + 1 >= state.max_tokens[:n, None]) | (
+        positions[:, None] + out_index + 1 >= max_len
+    )
+    ends = (hit_stop | too_long) & (out_index <= accepted[:, None])
+    first_end = jnp.argmax(ends, axis=1)
+    done = jnp.any(ends, axis=1) & active
+    num_tokens = jnp.where(done, first_end + 1, accepted + 1) * active
+    reason = jnp.where(
+        done,
+        jnp.where(hit_stop[rows, first_end], api.FINISH_STOP, api.FINISH_LENGTH),
+        api.FINISH_NONE,
+    ).astype(jnp.int32)
+    last = jnp.maximum(num_tokens - 1, 0)
+    last_token = tokens[rows, last]
+    emitted = (out_index < num_tokens[:, None]).astype(jnp.int32)  # [n, t]
+
+    def put(field: jax.Array, values: jax.Array) -> jax.Array:
+        return field.at[:n].set(values)
+
+    state = dataclasses.replace(
+        state,
+        cache=cache,
+        tokens=put(state.tokens, jnp.where(active, last_token, state.tokens[:n])),
+        generated=put(state.generated, generated + num_tokens),
+        active=put(state.active, state.active[:n] & ~done),
+        counts=put(state.counts, counts.at[rows[:, None], tokens].add(emitted)),
+    )
+    logprobs = _step_logprobs(logits.reshape(n * t, -1), tokens, sampling, t)
+    next_drafts = _propose(heads, params, config, hidden[rows, last], last_token)
+    packed = _pack(tokens, num_tokens, done, reason, logprobs, next_drafts)
+    return state, _all_slots(packed, num_slots)
 
 
 def power_of_two_buckets(smallest: int, largest: int) -> tuple[int, ...]:
@@ -206,8 +311,9 @@ def with_midpoints(buckets: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Pending(api.PendingStep):
-    def __init__(self, packed: Sequence[jax.Array]):
+    def __init__(self, packed: Sequence[jax.Array], t: int, depth: int):
         self._packed = list(packed)
+        self._t, self._depth = t, depth
         for array in self._packed:
             array.copy_to_host_async()
         self._output: api.StepOutput | None = None
@@ -217,12 +323,17 @@ class _Pending(api.PendingStep):
             rows = np.zeros_like(np.asarray(self._packed[0]))
             for array in self._packed:  # prefill: one array per chunk, each valid only in its slot's row
                 host = np.asarray(array)
-                rows = np.where(host[:, 1:2] == 1, host, rows)
-            k = MAX_TOP_LOGPROBS
+                rows = np.where(host[:, :1] > 0, host, rows)
+            n, t, k = rows.shape[0], self._t, MAX_TOP_LOGPROBS
+            at = 3
+            tokens, at = rows[:, at : at + t], at + t
+            chosen, at = rows[:, at : at + t].view(np.float32), at + t
+            top_ids, at = rows[:, at : at + t * k].reshape(n, t, k), at + t * k
+            top_vals, at = rows[:, at : at + t * k].view(np.float32).reshape(n, t, k), at + t * k
             self._output = api.StepOutput(
-                token=rows[:, 0], valid=rows[:, 1] == 1, done=rows[:, 2] == 1, reason=rows[:, 3],
-                logprob=rows[:, 4].view(np.float32), top_ids=rows[:, 5 : 5 + k],
-                top_logprobs=rows[:, 5 + k :].view(np.float32),
+                tokens=tokens, num_tokens=rows[:, 0], done=rows[:, 1] == 1, reason=rows[:, 2],
+                logprobs=chosen, top_ids=top_ids, top_logprobs=top_vals,
+                drafts=rows[:, at : at + self._depth] if self._depth else None,
             )  # fmt: skip
         return self._output
 
@@ -241,7 +352,11 @@ class JaxEngine(api.Engine):
         min_prefill_bucket: int = 16,
         min_attend_bucket: int = 64,
         kernels: KernelConfig | None = None,
+        num_draft_tokens: int = 0,
+        draft_heads: DraftHeads | None = None,
     ):
+        """num_draft_tokens: most drafts a decode step verifies per row (0: no speculation);
+        draft_heads: heads that propose drafts in every prefill and verification step (replicated)."""
         self.mesh = mesh or make_mesh()
         self.kernels = kernels or KernelConfig.for_backend(
             jax.default_backend(), "xla", single_device=self.mesh.size == 1
@@ -271,6 +386,15 @@ class JaxEngine(api.Engine):
         slots = cache_config.num_slots
         prefix_ok = self.mesh.shape[DATA] == 1
         self._row_buckets = power_of_two_buckets(1, slots) if prefix_ok else (slots,)
+        if num_draft_tokens < 0 or num_draft_tokens + 1 > MAX_QUERIES_AS_ROWS:
+            raise ValueError(f"{num_draft_tokens=} must be in [0, {MAX_QUERIES_AS_ROWS - 1}]")
+        if draft_heads is not None and draft_heads.hidden_size != config.hidden_size:
+            raise ValueError(
+                f"draft heads of hidden size {draft_heads.hidden_size}, not {config.hidden_size}"
+            )
+        self._num_draft_tokens = num_draft_tokens
+        replicated = NamedSharding(self.mesh, P())
+        self.heads = None if draft_heads is None else jax.device_put(draft_heads, replicated)
         self.state = self._init_state()
         self._programs: dict[tuple, object] = {}
         self._allow_all: dict[int, jax.Array] = {}
@@ -297,6 +421,14 @@ class JaxEngine(api.Engine):
     @property
     def num_pages(self) -> int:
         return self.cache_config.num_pages
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self._num_draft_tokens
+
+    @property
+    def draft_heads_depth(self) -> int:
+        return 0 if self.heads is None else self.heads.depth
 
     # -- State and programs ------------------------------------------------------------------------
     def _init_state(self) -> DecodeState:
@@ -342,7 +474,7 @@ class JaxEngine(api.Engine):
                 log.warning("compiling %s after warm-up: a bucket was missed", key)
             start = time.perf_counter()
             replicated = NamedSharding(self.mesh, P())
-            step = _prefill_step if key[0] == "prefill" else _decode_step
+            step = {"prefill": _prefill_step, "decode": _decode_step, "verify": _verify_step}[key[0]]
             fn = functools.partial(step, config=self.config, kernels=self.kernels, max_len=self.max_seq_len)
             jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), replicated))
             program = jitted.lower(*args).compile()
@@ -387,12 +519,30 @@ class JaxEngine(api.Engine):
             return (self.cache_config.pages_per_seq,)
         return self._many_rows_page_buckets if rows > ROWS_AS_VECTORS else self._page_buckets
 
+    def _verify_page_buckets(self, rows: int) -> tuple[int, ...]:
+        """The page buckets of verification steps over `rows` rows of k + 1 tokens each."""
+        t = self._num_draft_tokens + 1
+        if self.native_decode_attention(rows * t):  # each token attends as a decode row of its own
+            return (self.cache_config.pages_per_seq,)
+        return (
+            self._decode_page_buckets(rows)
+            if self.kernels.attention == "pallas"
+            else (self._many_rows_page_buckets if rows * t > ROWS_AS_VECTORS else self._page_buckets)
+        )
+
     def decode_attend_len(self, rows: int, length: int) -> int:
         """Cache positions a decode step over `rows` rows reads once its longest row holds `length`."""
         if self.native_decode_attention(rows):
             return min(length + 1, self.max_seq_len)
         pages = self._bucket(self._decode_page_buckets(rows), self._pages(length + 1))
         return pages * self.page_size
+
+    def _verify_rows(self) -> tuple[int, ...]:
+        """Row buckets of verification steps: speculation pays only while a step is bound by reading
+        the weights, so it runs up to MAX_SPECULATIVE_ROWS rows (scheduler: the adaptive switch)."""
+        if not self._num_draft_tokens:
+            return ()
+        return tuple(r for r in self._row_buckets if r <= MAX_SPECULATIVE_ROWS) or self._row_buckets[:1]
 
     def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
         for b in buckets:
@@ -405,7 +555,7 @@ class JaxEngine(api.Engine):
         slots = [c.slot for c in chunks]
         if len(set(slots)) != len(slots):
             raise ValueError(f"prefill chunks must name distinct slots, got {slots}")
-        return _Pending([self._prefill_one(chunk) for chunk in chunks])
+        return _Pending([self._prefill_one(chunk) for chunk in chunks], 1, self.draft_heads_depth)
 
     def _prefill_one(self, chunk: api.PrefillChunk) -> jax.Array:
         n = len(chunk.token_ids)
@@ -440,6 +590,7 @@ class JaxEngine(api.Engine):
         args = (
             self.params,
             self.state,
+            self.heads,
             tokens,
             np.array([chunk.slot, chunk.start, n, int(chunk.is_last), chunk.num_generated], np.int32),
             page_row,
@@ -456,21 +607,35 @@ class JaxEngine(api.Engine):
     def decode(self, batch: api.DecodeBatch) -> api.PendingStep:
         listed = np.flatnonzero(batch.positions >= 0)
         rows = self._bucket(self._row_buckets, int(listed[-1]) + 1 if listed.size else 1)
-        longest = int(batch.positions.max(initial=-1)) + 1
-        pages = self._bucket(self._decode_page_buckets(rows), max(self._pages(longest), 1))
+        verify = batch.drafts is not None
         positions = np.asarray(batch.positions[:rows], np.int32)
+        reach = positions + 1  # positions each row's step writes
+        if verify:
+            k = self._num_draft_tokens
+            if k == 0 or batch.drafts.shape[1] > k:
+                raise ValueError(f"{batch.drafts.shape[1]} drafts per row; this engine verifies up to {k}")
+            drafts = np.full((rows, k), -1, np.int32)
+            drafts[:, : batch.drafts.shape[1]] = batch.drafts[:rows]
+            reach = reach + np.sum(np.cumprod(drafts >= 0, axis=1), axis=1)
+        buckets = self._verify_page_buckets(rows) if verify else self._decode_page_buckets(rows)
+        pages = self._bucket(buckets, max(self._pages(int(np.max(reach, initial=0))), 1))
         page_table = np.zeros((rows, pages), np.int32)
         width = min(pages, batch.page_table.shape[1])
         page_table[:, :width] = batch.page_table[:rows, :width]
-        args = (self.params, self.state, positions, page_table, self._mask_rows(batch.token_mask, rows))
+        mask = self._mask_rows(batch.token_mask, rows)
+        if verify:
+            args = (self.params, self.state, self.heads, positions, drafts, page_table, mask)
+            self.state, packed = self._program(("verify", pages, rows), args)(*args)
+            return _Pending([packed], self._num_draft_tokens + 1, self.draft_heads_depth)
+        args = (self.params, self.state, self.heads, positions, page_table, mask)
         self.state, packed = self._program(("decode", pages, rows), args)(*args)
-        return _Pending([packed])
+        return _Pending([packed], 1, 0)
 
     def _prefill_args(self, t: int, pages: int) -> tuple:
         """Bucket-shaped arguments of a prefill that changes nothing: an empty chunk into slot 0 (its
         padding writes go to the null page), not the last one, so the slot stays inactive."""
         return (
-            self.params, self.state, np.zeros((1, t), np.int32), np.zeros(5, np.int32),
+            self.params, self.state, self.heads, np.zeros((1, t), np.int32), np.zeros(5, np.int32),
             np.zeros((1, pages), np.int32), np.zeros((1, self.config.vocab_size), np.int32),
             self._mask_rows(None, 1), _settings(SamplingParams()), np.ones(1, np.int32), _stop_row(()),
         )  # fmt: skip
@@ -494,6 +659,7 @@ class JaxEngine(api.Engine):
                 if pages >= self._prefill_pages(0, t)
             }
             decode = {(p, rows) for rows in self._row_buckets for p in self._decode_page_buckets(rows)}
+            verify = {(p, rows) for rows in self._verify_rows() for p in self._verify_page_buckets(rows)}
         else:
             chunk = self.max_prefill_chunk
             prefill = set()
@@ -509,15 +675,30 @@ class JaxEngine(api.Engine):
                 buckets = self._decode_page_buckets(rows)
                 first, last = self._bucket(buckets, shortest), self._bucket(buckets, longest)
                 decode |= {(p, rows) for p in buckets if first <= p <= last}
+            verify = set()
+            reach = self._pages(
+                min(max(prompt_lengths) + max_new_tokens + self.max_draft_tokens, self.max_seq_len)
+            )
+            for rows in (r for r in self._verify_rows() if r <= most_rows):
+                buckets = self._verify_page_buckets(rows)
+                first, last = self._bucket(buckets, shortest), self._bucket(buckets, reach)
+                verify |= {(p, rows) for p in buckets if first <= p <= last}
         for t, pages in sorted(prefill):
             args = self._prefill_args(t, pages)
             self.state, _ = self._program(("prefill", t, pages), args)(*args)
         for pages, rows in sorted(decode):
             args = (
-                self.params, self.state, np.full(rows, -1, np.int32), np.zeros((rows, pages), np.int32),
-                self._mask_rows(None, rows),
+                self.params, self.state, self.heads, np.full(rows, -1, np.int32),
+                np.zeros((rows, pages), np.int32), self._mask_rows(None, rows),
             )  # fmt: skip
             self.state, _ = self._program(("decode", pages, rows), args)(*args)
+        for pages, rows in sorted(verify):
+            args = (
+                self.params, self.state, self.heads, np.full(rows, -1, np.int32),
+                np.full((rows, self._num_draft_tokens), -1, np.int32), np.zeros((rows, pages), np.int32),
+                self._mask_rows(None, rows),
+            )  # fmt: skip
+            self.state, _ = self._program(("verify", pages, rows), args)(*args)
         jax.block_until_ready(self.state)
         self._warm = prompt_lengths is None
         return time.perf_counter() - start

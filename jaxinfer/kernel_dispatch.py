@@ -254,6 +254,9 @@ def decode_attention_pallas(
 # product (split over both threads) runs ~4x slower, a third more per SmolLM2 step, while attention
 # over one row costs little either way. From 2 rows the kernel wins (SmolLM2 at 4 streams: 1.35x).
 NATIVE_ATTENTION_MIN_ROWS = 2
+# Up to this many new tokens per row (a verification step: the last token and its drafts), the native
+# kernel attends each token as a decode row of its own, up to its own position.
+MAX_QUERIES_AS_ROWS = 8
 
 
 def native_decode_attention(kernels: KernelConfig, cache, head_dim: int, rows: int) -> bool:

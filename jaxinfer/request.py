@@ -6,7 +6,8 @@ SamplingParams, checks each field once (one message per mistake, naming the fiel
 request ends (FinishReason).
 
 Fields (`parse_sampling`): max_tokens, temperature, top_p, top_k, min_p, seed, repetition_penalty,
-presence_penalty, frequency_penalty, stop, stop_token_ids, ignore_eos, logprobs, structured_output.
+presence_penalty, frequency_penalty, stop, stop_token_ids, ignore_eos, logprobs, structured_output,
+speculative, num_draft_tokens.
 A field left out takes the model's recommended value (`ModelDefaults`), else SamplingParams' own; an
 unset seed draws a fresh random one, so two unseeded requests sample independently.
 """
@@ -22,6 +23,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 MAX_TOP_LOGPROBS = 20  # alternatives per position the device returns (OpenAI's limit)
+SPECULATIVE_METHODS = ("off", "ngram", "heads")  # speculation.config.SpeculativeMethod's values
+MAX_DRAFT_TOKENS = 7  # kernel_dispatch.MAX_QUERIES_AS_ROWS - 1
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -86,6 +89,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    # Speculative decoding: "off", "ngram" or "heads"; None takes the server's. num_draft_tokens: drafts
+    # per step, at most the server's (None: the server's).
+    speculative: str | None = None
+    num_draft_tokens: int | None = None
 
     def errors(self) -> list[RequestError]:
         """Every value out of range, one error each."""
@@ -107,6 +114,16 @@ class SamplingParams:
                 "logprobs",
                 self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
                 f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            ),
+            (
+                "speculative",
+                self.speculative in (None, *SPECULATIVE_METHODS),
+                f"must be one of {SPECULATIVE_METHODS}",
+            ),
+            (
+                "num_draft_tokens",
+                self.num_draft_tokens is None or 0 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS,
+                f"must be in [0, {MAX_DRAFT_TOKENS}]",
             ),
         ]
         found = [
@@ -191,6 +208,8 @@ FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "stop": (str, list, tuple),
     "stop_token_ids": (list, tuple),
     "structured_output": (StructuredOutput,),
+    "speculative": (str,),
+    "num_draft_tokens": (int,),
 }
 
 

@@ -98,13 +98,12 @@ def _slot_key(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(key, step)
 
 
-def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> jax.Array:
-    """Temperature, then top-k / top-p / min-p thresholds, then Gumbel-max over the tokens kept.
+def _filter(logits: jax.Array, s: SlotSampling) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Temperature, then the top-k / top-p / min-p threshold: the filtered distribution of each slot is
+    softmax(scaled) over the tokens with scaled >= threshold.
 
-    A slot whose threshold keeps only tokens among the CANDIDATES most likely (any top-k or top-p
-    filter) draws its noise for those CANDIDATES alone; drawing it for the whole vocabulary costs more
-    than the candidates' top-k. Slots that may keep more (no filter, or min-p alone) use the whole
-    vocabulary, in a branch that only runs when such a slot exists.
+    Returns scaled [slots, vocab], threshold [slots, 1], and the CANDIDATES most likely tokens' scaled
+    logits and ids [slots, c] (descending).
     """
     temp = jnp.where(s.temperature > 0, s.temperature, 1.0)[:, None]
     scaled = logits / temp  # [slots, vocab]
@@ -129,12 +128,32 @@ def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> ja
     thr_m = jnp.where(s.min_p > 0, top + jnp.log(jnp.maximum(s.min_p, 1e-30)), -jnp.inf)
 
     threshold = jnp.maximum(jnp.maximum(thr_k, thr_p), thr_m)[:, None]  # [slots, 1]
+    return scaled, threshold, top_vals, top_ids
+
+
+def _filtered_sample(
+    logits: jax.Array, s: SlotSampling, steps: jax.Array, exclude: jax.Array | None = None
+) -> jax.Array:
+    """A draw from each slot's filtered distribution (_filter) by Gumbel-max.
+
+    exclude: [slots] int32, a token each slot must not draw (-1: none), removed after the threshold
+    is set: a draw from the filtered distribution with that token's mass taken out and the rest
+    renormalised (the residual of rejection sampling against a one-token draft).
+
+    A slot whose threshold keeps only tokens among the CANDIDATES most likely (any top-k or top-p
+    filter) draws its noise for those CANDIDATES alone; drawing it for the whole vocabulary costs more
+    than the candidates' top-k. Slots that may keep more (no filter, or min-p alone) use the whole
+    vocabulary, in a branch that only runs when such a slot exists.
+    """
+    scaled, threshold, top_vals, top_ids = _filter(logits, s)
+    num_cand = top_vals.shape[-1]
     keys = jax.vmap(_slot_key)(s.seed, steps)
+    exclude = jnp.full(logits.shape[:1], -1, jnp.int32) if exclude is None else exclude
 
     def gumbel(width: int) -> jax.Array:
         return jax.vmap(lambda key: jax.random.gumbel(key, (width,), jnp.float32))(keys)
 
-    kept = jnp.where(top_vals >= threshold, top_vals, -jnp.inf)
+    kept = jnp.where((top_vals >= threshold) & (top_ids != exclude[:, None]), top_vals, -jnp.inf)
     pick = jnp.argmax(kept + gumbel(num_cand), axis=-1)
     from_candidates = jnp.take_along_axis(top_ids, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
@@ -142,11 +161,22 @@ def _filtered_sample(logits: jax.Array, s: SlotSampling, steps: jax.Array) -> ja
     wide = (threshold[:, 0] < jnp.min(top_vals, axis=-1)) & (s.temperature > 0)
 
     def whole_vocabulary() -> jax.Array:
-        masked = jnp.where(scaled >= threshold, scaled, -jnp.inf)
+        ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
+        masked = jnp.where((scaled >= threshold) & (ids != exclude[:, None]), scaled, -jnp.inf)
         return greedy_tokens(masked + gumbel(scaled.shape[-1]))
 
     from_vocabulary = jax.lax.cond(jnp.any(wide), whole_vocabulary, lambda: from_candidates)
     return jnp.where(wide, from_vocabulary, from_candidates)
+
+
+def filtered_probability(logits: jax.Array, s: SlotSampling, token: jax.Array) -> jax.Array:
+    """[slots] float32: the probability of `token` [slots] (-1: none, probability 0) under each slot's
+    filtered distribution, the one _filtered_sample draws from."""
+    scaled, threshold, _, _ = _filter(logits, s)
+    log_z = jax.nn.logsumexp(jnp.where(scaled >= threshold, scaled, -jnp.inf), axis=-1)
+    value = jnp.take_along_axis(scaled, jnp.maximum(token, 0)[:, None], axis=-1)[:, 0]
+    kept = (token >= 0) & (value >= threshold[:, 0])
+    return jnp.where(kept, jnp.exp(value - log_z), 0.0)
 
 
 GREEDY_BLOCK = 1024  # vocabulary entries per block of the blockwise argmax
@@ -203,3 +233,66 @@ def sample(
 def split_seed(seed: int) -> tuple[int, int]:
     """A 64-bit seed as (high, low) uint32 words."""
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
+
+
+def verify_drafts(
+    logits: jax.Array,
+    drafts: jax.Array,
+    counts: jax.Array,
+    s: SlotSampling,
+    steps: jax.Array,
+    mask: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """Speculative verification: which drafted tokens each slot keeps, and the token after them.
+
+    logits: [slots, T, vocab] float32, the target's logits after each of the T = k + 1 inputs (the
+    last token, then the k drafts); drafts: [slots, k] int32, -1 past a slot's drafts; counts, s, mask:
+    as for `sample` (the mask binds the first position only: constrained slots draft nothing); steps:
+    [slots], the index of the first token sampled here within its request.
+
+    Position i accepts draft i when the target agrees: greedy slots when it is the argmax, sampled slots
+    with probability p_i(draft) under the filtered distribution (rejection sampling against a one-token
+    draft), and a rejection draws from p_i with the draft's mass removed, so every output token follows
+    the target's distribution exactly. Returns tokens [slots, T] (position i: draft i if accepted, else
+    the target's own draw) and the accepted count [slots]: the slot outputs tokens[:, :accepted + 1].
+    Penalties see the drafts before each position as part of the output.
+    """
+    n, t, vocab = logits.shape
+    targets = jnp.concatenate([drafts, jnp.full((n, 1), -1, jnp.int32)], axis=1)  # [n, T]
+
+    def rows(a: jax.Array) -> jax.Array:  # per-slot values -> one per (slot, position)
+        return jnp.repeat(a, t, axis=0)
+
+    s_rows = jax.tree.map(rows, s)
+    flat = logits.reshape(n * t, vocab)
+
+    def penalised() -> jax.Array:
+        earlier = jax.nn.one_hot(jnp.where(drafts >= 0, drafts, vocab), vocab, dtype=jnp.int32)  # [n, k, V]
+        seen = counts[:, None] + jnp.cumsum(jnp.pad(earlier, ((0, 0), (1, 0), (0, 0))), axis=1)
+        return apply_penalties(flat, seen.reshape(n * t, vocab), s_rows)
+
+    any_penalty = (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
+    flat = jax.lax.cond(jnp.any(any_penalty), penalised, lambda: flat)
+    first_only = jnp.concatenate([mask[:, None], jnp.full((n, t - 1, mask.shape[-1]), ALLOW_ALL)], axis=1)
+    flat = apply_token_mask(flat, first_only.reshape(n * t, -1))
+
+    greedy = greedy_tokens(flat).reshape(n, t)
+    flat_targets = targets.reshape(-1)
+    flat_steps = (steps[:, None] + jnp.arange(t, dtype=steps.dtype)).reshape(-1)
+
+    def sampled() -> tuple[jax.Array, jax.Array]:
+        draws = _filtered_sample(flat, s_rows, flat_steps, exclude=flat_targets).reshape(n, t)
+        p = filtered_probability(flat, s_rows, flat_targets).reshape(n, t)
+        # The acceptance draw's stream is independent of the Gumbel noise of the same position.
+        keys = jax.vmap(lambda seed, step: jax.random.fold_in(_slot_key(seed, step), 1))(
+            s_rows.seed, flat_steps
+        )
+        u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys).reshape(n, t)
+        return draws, u < p
+
+    is_sampled = (s.temperature > 0)[:, None]
+    draws, lucky = jax.lax.cond(jnp.any(is_sampled), sampled, lambda: (greedy, jnp.zeros((n, t), bool)))
+    accept = (targets >= 0) & jnp.where(is_sampled, lucky, greedy == targets)
+    tokens = jnp.where(accept, targets, jnp.where(is_sampled, draws, greedy))
+    accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1).astype(jnp.int32)
+    return tokens.astype(jnp.int32), accepted

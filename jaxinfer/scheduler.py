@@ -53,6 +53,8 @@ from jaxinfer.engine import (
 from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
 from jaxinfer.request import FinishReason, RequestError, SamplingParams
+from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod
+from jaxinfer.speculation.ngram import propose_ngram
 from jaxinfer.structured_output import GrammarCompiler, Matcher, allow_all
 
 
@@ -141,6 +143,13 @@ class SequenceState:
     # Prefix-cache keys of the leading full pages of all_token_ids, extended as it grows (it only
     # grows, so a key once computed stays right, preemptions included).
     page_keys: list[PageHash] = dataclasses.field(default_factory=list)
+    # Speculative decoding: the draft heads' latest proposal (after the last output token), the
+    # drafted and accepted totals, the recent accepted-per-step average and the steps left paused.
+    head_drafts: tuple[int, ...] = ()
+    num_drafted: int = 0
+    num_accepted: int = 0
+    accept_average: float = 0.0
+    speculation_paused: int = 0
 
     @property
     def is_live(self) -> bool:
@@ -173,6 +182,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # One per new token when the request asked for log-probabilities, else empty.
     new_logprobs: tuple[TokenLogprobs, ...] = ()
+    num_draft_tokens: int = 0  # speculative decoding, totals so far: tokens drafted and accepted
+    num_accepted_tokens: int = 0
 
 
 Owner = tuple[SequenceState, int]  # (request, epoch) at dispatch
@@ -213,6 +224,8 @@ class SchedulerOutput:
     # Owner of each slot at dispatch: the only request that may be credited with that slot's token.
     prefill_owners: dict[int, Owner]  # slots whose last chunk runs this step
     decode_owners: dict[int, Owner]  # slots in the decode batch
+    # Slots whose row verifies drafts, and how many: their advance is known only from the result.
+    num_drafts: dict[int, int] = dataclasses.field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -236,6 +249,8 @@ class Scheduler:
         None only if no request uses stop strings (outputs then carry no text).
     grammar_compiler: makes the matchers of requests with structured output (structured_output.py);
         None only if no request asks for one.
+    speculation: how requests draft tokens for the engine to verify (None: never); draft_heads_depth:
+        the engine's draft heads' drafts per step (Engine.draft_heads_depth).
     """
 
     def __init__(
@@ -251,6 +266,8 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         detokenizer_factory: Callable[[], IncrementalDetokenizer] | None = None,
         grammar_compiler: GrammarCompiler | None = None,
+        speculation: SpeculationConfig | None = None,
+        draft_heads_depth: int = 0,
     ):
         budget = max_prefill_chunk if prefill_token_budget is None else prefill_token_budget
         for name, value in [
@@ -272,6 +289,14 @@ class Scheduler:
         self.pool = PagePool(num_pages, enable_prefix_caching=enable_prefix_caching)
         self._detokenizer_factory = detokenizer_factory
         self._grammar = grammar_compiler
+        self.speculation = speculation
+        self._draft_heads_depth = draft_heads_depth
+        if (
+            speculation is not None
+            and speculation.method is SpeculativeMethod.HEADS
+            and not draft_heads_depth
+        ):
+            raise ValueError("speculation by draft heads needs an engine with draft heads")
         self._waiting: collections.deque[SequenceState] = collections.deque()
         self._requests: dict[str, SequenceState] = {}  # every live request, in arrival order
         self._slot_owner: list[SequenceState | None] = [None] * num_slots
@@ -285,6 +310,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.num_draft_tokens = 0  # drafts verified
+        self.num_accepted_tokens = 0  # of which accepted
+        self.num_verify_rows = 0  # (step, request) pairs that verified drafts
 
     # ---- queries -----------------------------------------------------------------------------------
 
@@ -318,7 +346,11 @@ class Scheduler:
         """Whether the next plan depends on the tokens of steps still in flight: a request with
         structured output holds a slot (its next mask needs its last token), so the serving loop reads
         each step before planning the next."""
-        return any(r.matcher is not None and r.slot is not None for r in self._requests.values())
+        speculating = self._speculation_on()
+        return any(
+            r.slot is not None and (r.matcher is not None or (speculating and self._drafts_allowed(r)))
+            for r in self._requests.values()
+        )
 
     def get(self, request_id: str) -> SequenceState | None:
         return self._requests.get(request_id)
@@ -355,6 +387,8 @@ class Scheduler:
             raise ValueError("stop strings need a detokenizer_factory")
         if sampling.structured_output is not None and self._grammar is None:
             raise RequestError("structured output is not served here", "structured_output")
+        if sampling.speculative == SpeculativeMethod.HEADS and not self._draft_heads_depth:
+            raise RequestError("speculative='heads': this server has no draft heads", "speculative")
         if len(self._waiting) >= self.max_queue:
             raise QueueFull(f"the waiting queue is full ({self.max_queue} requests)")
         text = None
@@ -436,6 +470,8 @@ class Scheduler:
             num_output_tokens=len(seq.output_token_ids),
             num_cached_tokens=seq.num_prefix_hit_tokens,
             new_logprobs=new_logprobs,
+            num_draft_tokens=seq.num_drafted,
+            num_accepted_tokens=seq.num_accepted,
         )
 
     # ---- pages ------------------------------------------------------------------------------------
@@ -513,11 +549,78 @@ class Scheduler:
     def _wants_decode(self, seq: SequenceState) -> bool:
         """Running, not yet at max_tokens counting the tokens already dispatched, and, under a grammar,
         with every dispatched token read (its mask follows from them)."""
+        reads_first = seq.matcher is not None or (self._speculation_on() and self._drafts_allowed(seq))
         return (
             seq.status is RequestStatus.RUNNING
             and seq.num_dispatched_outputs < seq.sampling.max_tokens
-            and (seq.matcher is None or seq.num_dispatched_outputs == len(seq.output_token_ids))
+            and (not reads_first or seq.num_dispatched_outputs == len(seq.output_token_ids))
         )
+
+    # ---- speculative decoding -----------------------------------------------------------------------
+
+    def _method(self, seq: SequenceState) -> SpeculativeMethod:
+        if self.speculation is None:
+            return SpeculativeMethod.OFF
+        return SpeculativeMethod(seq.sampling.speculative or self.speculation.method)
+
+    def _drafts_allowed(self, seq: SequenceState) -> bool:
+        """Whether `seq` may draft at all: speculation on for it, no grammar (its mask would have to
+        follow every draft), and not paused for low acceptance."""
+        return (
+            self._method(seq) is not SpeculativeMethod.OFF
+            and seq.sampling.num_draft_tokens != 0
+            and seq.matcher is None
+            and not seq.speculation_paused
+        )
+
+    def _speculation_on(self) -> bool:
+        """The batch-size switch: speculate only while few requests decode (SpeculationConfig.max_rows)."""
+        return self.speculation is not None and self.num_running <= self.speculation.max_rows
+
+    def _drafts(self, seq: SequenceState) -> list[int]:
+        """The tokens `seq` drafts for this step: never past max_tokens or the context."""
+        config = self.speculation
+        room = min(
+            seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
+            self.max_seq_len - seq.num_computed - 1,
+        )
+        k = min(config.num_draft_tokens, seq.sampling.num_draft_tokens or config.num_draft_tokens, room)
+        if k <= 0:
+            return []
+        if self._method(seq) is SpeculativeMethod.HEADS:
+            return list(seq.head_drafts[:k])
+        return propose_ngram(seq.all_token_ids, k, config.ngram_max, config.ngram_min)
+
+    def _reserve_draft_pages(self, seq: SequenceState, num_drafts: int) -> int:
+        """Pages for positions up to num_computed + num_drafts, as far as free pages allow (drafts never
+        preempt anyone); returns the drafts that have a page."""
+        while num_drafts and (seq.num_computed + num_drafts) // self.page_size >= len(seq.page_ids):
+            page = self.pool.allocate(1)
+            if page is None:
+                return min(num_drafts, len(seq.page_ids) * self.page_size - seq.num_computed - 1)
+            self._page_table[seq.slot, len(seq.page_ids)] = page[0]
+            seq.page_ids.extend(page)
+        return num_drafts
+
+    def _after_verification(self, seq: SequenceState, num_drafts: int, num_tokens: int) -> None:
+        """Counts a verification row's drafts and accepted tokens, pauses a request whose drafts keep
+        failing, and gives back the pages that only rejected drafts used."""
+        accepted = max(num_tokens - 1, 0)
+        seq.num_drafted += num_drafts
+        seq.num_accepted += accepted
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        self.num_verify_rows += 1
+        config = self.speculation
+        seq.accept_average = 0.7 * seq.accept_average + 0.3 * accepted
+        if seq.accept_average < config.min_accepted and seq.num_drafted >= 4 * config.num_draft_tokens:
+            seq.speculation_paused = config.pause_steps
+            seq.accept_average = config.min_accepted  # a fresh start when it resumes
+        keep = self._pages_for(seq.num_computed + 1)
+        if len(seq.page_ids) > keep:
+            self.pool.free(seq.page_ids[keep:][::-1])
+            self._page_table[seq.slot, keep : len(seq.page_ids)] = NULL_PAGE
+            del seq.page_ids[keep:]
 
     # ---- one step -----------------------------------------------------------------------------------
 
@@ -573,22 +676,37 @@ class Scheduler:
         positions = np.full(self.num_slots, -1, np.int32)
         decode_owners: dict[int, Owner] = {}
         constrained: list[tuple[Matcher, int]] = []
+        speculating = self._speculation_on()
+        drafts: dict[int, list[int]] = {}
         for slot, seq in enumerate(self._slot_owner):
             if seq is None or not self._wants_decode(seq) or not self._grow(seq):
                 continue
             positions[slot] = seq.num_computed
-            seq.num_computed += 1
-            seq.num_dispatched_outputs += 1
             decode_owners[slot] = (seq, seq.epoch)
+            seq.num_dispatched_outputs += 1
             if seq.matcher is not None:
                 constrained.append((seq.matcher, slot))
+            proposed = self._drafts(seq) if speculating and self._drafts_allowed(seq) else []
+            if seq.speculation_paused and self.speculation is not None:
+                seq.speculation_paused -= 1
+            if proposed:
+                proposed = proposed[: self._reserve_draft_pages(seq, len(proposed))]
+            if proposed:  # its advance is known from the result: num_computed moves then
+                drafts[slot] = proposed
+            else:
+                seq.num_computed += 1
         batch = None
         if decode_owners:
             masks = None
             if constrained:
                 masks = allow_all(self.num_slots, self._grammar.num_words)
                 self._grammar.fill_masks(constrained, masks)
-            batch = DecodeBatch(positions, self._page_table.copy(), masks)
+            draft_array = None
+            if drafts:
+                draft_array = np.full((self.num_slots, self.speculation.num_draft_tokens), -1, np.int32)
+                for slot, proposed in drafts.items():
+                    draft_array[slot, : len(proposed)] = proposed
+            batch = DecodeBatch(positions, self._page_table.copy(), masks, draft_array)
         self._check_invariants()
         return SchedulerOutput(
             step=self._step,
@@ -598,6 +716,7 @@ class Scheduler:
             preempted_request_ids=tuple(preempted),
             prefill_owners=prefill_owners,
             decode_owners=decode_owners,
+            num_drafts={slot: len(d) for slot, d in drafts.items()},
         )
 
     def _add_chunk(
@@ -662,35 +781,31 @@ class Scheduler:
             for slot, (seq, epoch) in owners.items():
                 if not (seq.is_live and seq.epoch == epoch and bool(result.valid[slot])):
                     continue
-                token = int(result.token[slot])
-                seq.output_token_ids.append(token)
+                if result.drafts is not None:
+                    seq.head_drafts = tuple(int(t) for t in result.drafts[slot])
+                count = int(result.num_tokens[slot])
                 entry = news.setdefault(seq.request_id, _News(seq))
-                entry.tokens.append(token)
-                if seq.sampling.logprobs is not None:
-                    top = zip(result.top_ids[slot][: seq.sampling.logprobs].tolist(),
-                              result.top_logprobs[slot][: seq.sampling.logprobs].tolist())  # fmt: skip
-                    entry.logprobs.append(TokenLogprobs(token, float(result.logprob[slot]), tuple(top)))
-                deferred = defer_text and seq.text is not None
-                reason = entry.add_text(token) if seq.text is not None and not deferred else None
-                if bool(result.done[slot]):
-                    device_reason = int(result.reason[slot])
-                    if device_reason not in (FINISH_STOP, FINISH_LENGTH):
-                        raise ValueError(f"slot {slot} done with unknown reason code {device_reason}")
-                    reason = reason or (
-                        FinishReason.STOP if device_reason == FINISH_STOP else FinishReason.LENGTH
-                    )
-                if seq.matcher is not None and reason is None:
-                    if not seq.matcher.accept(token):  # the device applied its mask: a bug if reached
-                        raise RuntimeError(f"{seq.request_id}: token {token} broke its grammar")
-                    if seq.matcher.is_stopped:  # complete; only end-of-sequence could follow
-                        reason = FinishReason.STOP
-                # Host-side backstops: the device should have flagged these as done.
-                if reason is None and token in seq.sampling.stop_token_ids:
-                    reason = FinishReason.STOP
-                if reason is None and len(seq.output_token_ids) >= seq.sampling.max_tokens:
-                    reason = FinishReason.LENGTH
-                if reason is not None and deferred:  # it ends here: its text cannot wait
-                    reason = entry.add_text(token) or reason
+                reason = None
+                for j in range(count):
+                    reason = self._credit(seq, entry, result, slot, j, defer_text)
+                    if reason is None and j == count - 1 and bool(result.done[slot]):
+                        device_reason = int(result.reason[slot])
+                        if device_reason not in (FINISH_STOP, FINISH_LENGTH):
+                            raise ValueError(f"slot {slot} done with unknown reason code {device_reason}")
+                        reason = FinishReason.STOP if device_reason == FINISH_STOP else FinishReason.LENGTH
+                    if reason is not None:
+                        break
+                if reason is not None and defer_text and seq.text is not None:
+                    for token in entry.tokens:  # it ends here: its text cannot wait
+                        reason = entry.add_text(token) or reason
+                if owners is scheduler_output.decode_owners and slot in scheduler_output.num_drafts:
+                    seq.num_computed += count  # the verified inputs: its last token and the accepted drafts
+                    seq.num_dispatched_outputs = len(seq.output_token_ids)
+                    if reason is None:
+                        self._after_verification(seq, scheduler_output.num_drafts[slot], count)
+                    else:
+                        seq.num_drafted += scheduler_output.num_drafts[slot]
+                        seq.num_accepted += count - 1
                 if reason is not None:
                     finished.append(self._finish(seq, reason, **news.pop(seq.request_id).fields()))
                 else:
@@ -702,6 +817,32 @@ class Scheduler:
         running = [self._output(n.seq, **n.fields()) for n in news.values()]
         self._check_invariants()
         return finished + running
+
+    def _credit(
+        self, seq: SequenceState, entry: _News, result: StepOutput, slot: int, j: int, defer_text: bool
+    ) -> FinishReason | None:
+        """Appends the slot's j-th token of the step to `seq`; the reason it ends the request, if it does
+        (a stop string, the grammar's end, or the host-side backstops of what the device checks)."""
+        token = int(result.tokens[slot, j])
+        seq.output_token_ids.append(token)
+        entry.tokens.append(token)
+        if seq.sampling.logprobs is not None:
+            k = seq.sampling.logprobs
+            top = zip(result.top_ids[slot, j][:k].tolist(), result.top_logprobs[slot, j][:k].tolist())
+            entry.logprobs.append(TokenLogprobs(token, float(result.logprobs[slot, j]), tuple(top)))
+        reason = None
+        if seq.text is not None and not defer_text:
+            reason = entry.add_text(token)
+        if seq.matcher is not None and reason is None:
+            if not seq.matcher.accept(token):  # the device applied its mask: a bug if reached
+                raise RuntimeError(f"{seq.request_id}: token {token} broke its grammar")
+            if seq.matcher.is_stopped:  # complete; only end-of-sequence could follow
+                reason = FinishReason.STOP
+        if reason is None and token in seq.sampling.stop_token_ids:
+            reason = FinishReason.STOP
+        if reason is None and len(seq.output_token_ids) >= seq.sampling.max_tokens:
+            reason = FinishReason.LENGTH
+        return reason
 
     def flush_text(self) -> list[RequestOutput]:
         """Detokenises the tokens update_from_output(defer_text=True) credited to requests that went on,

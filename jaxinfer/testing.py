@@ -112,6 +112,8 @@ class MockEngine(Engine):
         num_pages: int | None = None,
         step_delay_s: float = 0.0,
         fail_at_decode: int | None = None,
+        max_draft_tokens: int = 0,
+        draft_heads_depth: int = 0,
     ):
         if num_slots <= 0 or max_seq_len <= 0 or max_prefill_chunk <= 0 or vocab_size <= 1:
             raise ValueError(f"{num_slots=}, {max_seq_len=}, {max_prefill_chunk=}, {vocab_size=} must be > 0")
@@ -124,6 +126,8 @@ class MockEngine(Engine):
         self.vocab_size = vocab_size
         self.step_delay_s = step_delay_s
         self.fail_at_decode = fail_at_decode
+        self._max_draft_tokens = max_draft_tokens
+        self._draft_heads_depth = draft_heads_depth
         self._slots = [_MockSlot() for _ in range(num_slots)]
         self._kv = np.full((self._num_pages, page_size), -1, np.int64)  # token id at each position
         self._lock = threading.Lock()
@@ -136,6 +140,7 @@ class MockEngine(Engine):
         self.max_unread_decodes = 0  # >1: a decode was dispatched before the previous one was read
         self.prefill_log: list[tuple[tuple[int, int, int, bool], ...]] = []  # (slot, start, len, last)
         self.decode_log: list[tuple[int, ...]] = []  # slots listed in each decode step
+        self.draft_log: list[dict[int, tuple[int, ...]]] = []  # each verification step's drafts per slot
 
     @property
     def num_slots(self) -> int:
@@ -157,17 +162,36 @@ class MockEngine(Engine):
     def num_pages(self) -> int:
         return self._num_pages
 
-    def _empty_output(self) -> StepOutput:
-        n = self._num_slots
+    @property
+    def max_draft_tokens(self) -> int:
+        return self._max_draft_tokens
+
+    @property
+    def draft_heads_depth(self) -> int:
+        return self._draft_heads_depth
+
+    def _empty_output(self, width: int = 1, heads: bool = False) -> StepOutput:
+        n, k = self._num_slots, MAX_TOP_LOGPROBS
         return StepOutput(
-            token=np.zeros(n, np.int32),
-            valid=np.zeros(n, bool),
+            tokens=np.zeros((n, width), np.int32),
+            num_tokens=np.zeros(n, np.int32),
             done=np.zeros(n, bool),
             reason=np.zeros(n, np.int32),
-            logprob=np.zeros(n, np.float32),
-            top_ids=np.zeros((n, MAX_TOP_LOGPROBS), np.int32),
-            top_logprobs=np.zeros((n, MAX_TOP_LOGPROBS), np.float32),
+            logprobs=np.zeros((n, width), np.float32),
+            top_ids=np.zeros((n, width, k), np.int32),
+            top_logprobs=np.zeros((n, width, k), np.float32),
+            drafts=np.zeros((n, self._draft_heads_depth), np.int32) if heads else None,
         )
+
+    def _propose(self, out: StepOutput, slot: int) -> None:
+        """The mock draft heads: the true continuation, except that every third draft is off by one
+        (so verification accepts some drafts and rejects others)."""
+        if out.drafts is None:
+            return
+        s, last = self._slots[slot], self._slots[slot].last_token
+        for i in range(self._draft_heads_depth):
+            last = next_mock_token(last, s.sampling, self.vocab_size)
+            out.drafts[slot, i] = (last + (i % 3 == 2)) % self.vocab_size
 
     def _dispatch(self, output: StepOutput, *, is_decode: bool) -> _MockPending:
         with self._lock:
@@ -195,16 +219,18 @@ class MockEngine(Engine):
         if held != list(history):
             raise ValueError(f"the pages hold {held}, the request has {list(history)}")
 
-    def _sample_into(self, out: StepOutput, slot: int, mask: np.ndarray | None = None) -> None:
+    def _sample_into(self, out: StepOutput, slot: int, mask: np.ndarray | None = None) -> int:
+        """Samples the slot's next token into its next output column; returns it."""
         s = self._slots[slot]
         if s.sampling is None:
             raise RuntimeError(f"slot {slot} samples before any prompt was written")
         token = next_mock_token(s.last_token, s.sampling, self.vocab_size)
         token = _first_allowed(token, mask, self.vocab_size)
-        out.logprob[slot] = mock_logprob(token)
+        j = int(out.num_tokens[slot])
+        out.logprobs[slot, j] = mock_logprob(token)
         alternatives = [(token + i) % self.vocab_size for i in range(MAX_TOP_LOGPROBS)]
-        out.top_ids[slot] = alternatives
-        out.top_logprobs[slot] = [mock_logprob(t) - i for i, t in enumerate(alternatives)]
+        out.top_ids[slot, j] = alternatives
+        out.top_logprobs[slot, j] = [mock_logprob(t) - i for i, t in enumerate(alternatives)]
         s.last_token = token
         s.num_generated += 1
         s.history.append(token)
@@ -213,16 +239,17 @@ class MockEngine(Engine):
             reason = FINISH_STOP
         elif s.num_generated >= s.sampling.max_tokens or len(s.history) >= self._max_seq_len:
             reason = FINISH_LENGTH
-        out.token[slot], out.valid[slot] = token, True
+        out.tokens[slot, j], out.num_tokens[slot] = token, j + 1
         if reason != FINISH_NONE:
             out.done[slot], out.reason[slot] = True, reason
             s.active = False
+        return token
 
     def prefill(self, chunks: Sequence[PrefillChunk]) -> PendingStep:
         slots = [c.slot for c in chunks]
         if not chunks or len(set(slots)) != len(slots):
             raise ValueError(f"prefill needs chunks on distinct slots, got {slots=}")
-        out = self._empty_output()
+        out = self._empty_output(heads=self._draft_heads_depth > 0)
         self.num_prefill_calls += 1
         self.prefill_log.append(tuple((c.slot, c.start, len(c.token_ids), c.is_last) for c in chunks))
         for c in chunks:
@@ -244,15 +271,25 @@ class MockEngine(Engine):
                 s.sampling, s.last_token, s.active = c.sampling, fill[-1], True
                 s.num_generated, s.history = c.num_generated, fill
                 self._sample_into(out, c.slot, c.token_mask)
+                self._propose(out, c.slot)
         return self._dispatch(out, is_decode=False)
 
     def decode(self, batch: DecodeBatch) -> PendingStep:
         self.num_decode_steps += 1
         if self.fail_at_decode is not None and self.num_decode_steps >= self.fail_at_decode:
             raise RuntimeError(f"MockEngine: injected failure at decode step {self.num_decode_steps}")
-        out = self._empty_output()
+        verify = batch.drafts is not None
+        if verify and not 0 < batch.drafts.shape[1] <= self._max_draft_tokens:
+            raise ValueError(f"{batch.drafts.shape[1]} drafts per row, {self._max_draft_tokens=}")
+        out = self._empty_output(
+            batch.drafts.shape[1] + 1 if verify else 1, heads=verify and self._draft_heads_depth > 0
+        )
         listed = tuple(int(i) for i in np.flatnonzero(batch.positions >= 0))
         self.decode_log.append(listed)
+        if verify:
+            self.draft_log.append(
+                {slot: tuple(int(d) for d in batch.drafts[slot] if d >= 0) for slot in listed}
+            )
         for slot in listed:
             s = self._slots[slot]
             if not s.active:
@@ -260,9 +297,19 @@ class MockEngine(Engine):
             position = int(batch.positions[slot])
             if position != len(s.history) - 1:
                 raise ValueError(f"slot {slot} decodes at {position}, its request holds {len(s.history)}")
-            self._write(batch.page_table[slot], position, [s.last_token])
+            drafts = [int(d) for d in batch.drafts[slot]] if verify else []
+            drafts = drafts[: drafts.index(-1)] if -1 in drafts else drafts
+            self._write(batch.page_table[slot], position, [s.last_token, *drafts])  # rejected ones too
             self._check_history(batch.page_table[slot], s.history)
-            self._sample_into(out, slot, None if batch.token_mask is None else batch.token_mask[slot])
+            mask = None if batch.token_mask is None else batch.token_mask[slot]
+            if mask is not None and drafts:
+                raise ValueError(f"slot {slot} is constrained and has drafts")
+            # Greedy verification: each draft the "model" agrees with is output, then one more token.
+            for draft in [*drafts, None]:
+                token = self._sample_into(out, slot, mask)
+                if token != draft or not s.active:
+                    break
+            self._propose(out, slot)
         return self._dispatch(out, is_decode=True)
 
     def reference_tokens(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:

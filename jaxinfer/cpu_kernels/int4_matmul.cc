@@ -216,7 +216,12 @@ template <int NB>
 void Rows(const Problem& p, int64_t nb0) {
   int64_t m = 0;
   for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, nb0);
-  for (; m < p.m; ++m) Tile<1, NB>(p, m, nb0);
+  // The rows left over share one pass over the weights too (a verification step's few rows).
+  switch (p.m - m) {
+    case 3: Tile<3, NB>(p, m, nb0); break;
+    case 2: Tile<2, NB>(p, m, nb0); break;
+    case 1: Tile<1, NB>(p, m, nb0); break;
+  }
 }
 
 void Columns(const Problem& p, int64_t nb_begin, int64_t nb_end) {

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig, ModelConfig, RopeScaling
 from jaxinfer.kernel_dispatch import (
+    MAX_QUERIES_AS_ROWS,
     attention_bias,
     attention_xla,
     decode_attention_native,
@@ -142,8 +143,13 @@ def _layer(
     attend = dict(layer=index, scale=c.attn_scale, sliding_window=window, softcap=c.attn_logit_softcap)
     if kernels.attention == "pallas" and t == 1:
         attn = decode_attention_pallas(q, cache, page_table, lengths, interpret=kernels.interpret, **attend)
-    elif t == 1 and native_decode_attention(kernels, cache, c.head_dim, b):
-        attn = decode_attention_native(q, cache, page_table, lengths, **attend)
+    elif t <= MAX_QUERIES_AS_ROWS and native_decode_attention(kernels, cache, c.head_dim, b * t):
+        # Each query is a decode row of its own, reading its row's pages up to its own position: a
+        # verification step's few queries per row need no page bucket of their own.
+        rows_q = q.reshape(b * t, 1, c.num_heads, c.head_dim)
+        rows_pages = jnp.repeat(page_table, t, axis=0)
+        attn = decode_attention_native(rows_q, cache, rows_pages, positions.reshape(-1) + 1, **attend)
+        attn = attn.reshape(b, t, c.num_heads, c.head_dim)
     elif kernels.attention == "pallas":
         q_start = jnp.maximum(positions[:, 0], 0)
         attn = prefill_attention_pallas(
@@ -215,7 +221,7 @@ def layer_runner(config: ModelConfig, positions: jax.Array, cache: KVCache, page
     return run
 
 
-def forward(
+def forward_hidden(
     params: Params,
     config: ModelConfig,
     tokens: jax.Array,  # [b, t] int32
@@ -223,25 +229,47 @@ def forward(
     cache: KVCache,
     page_table: jax.Array,  # [b, pages] int32: each row's pages, covering every position it attends
     *,
-    logits_index: jax.Array | None = None,  # [b] int32: compute logits only at tokens[:, index]
     kernels: KernelConfig = XLA_KERNELS,
 ) -> tuple[jax.Array, KVCache]:
-    """Runs the model over new tokens and returns (logits, cache).
+    """Runs the layers over new tokens: (the final-normed hidden states [b, t, hidden], cache).
 
-    logits: [b, t, vocab] float32, or [b, vocab] when `logits_index` is given.
     Each row attends over positions [0, pages * page_size) of its own pages, causally; the width of
     `page_table` is static (a bucket), its contents are data.
     """
-    c = config
     x = embed_tokens(params, config, tokens)
     run_layer = layer_runner(config, positions, cache, page_table)
     for i, layer_params in enumerate(params["layers"]):
         x, cache = run_layer(i, layer_params, x, cache, kernels)
-    x = rms_norm(x, params["final_norm"], c.rms_norm_eps)
+    return rms_norm(x, params["final_norm"], config.rms_norm_eps), cache
+
+
+def output_logits(
+    params: Params, config: ModelConfig, x: jax.Array, kernels: KernelConfig = XLA_KERNELS
+) -> jax.Array:
+    """Final-normed hidden states [..., hidden] -> float32 logits [..., vocab]."""
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    logits = linear(x, head, kernels).astype(jnp.float32)
+    if config.final_logit_softcap is not None:
+        logits = config.final_logit_softcap * jnp.tanh(logits / config.final_logit_softcap)
+    return logits
+
+
+def forward(
+    params: Params,
+    config: ModelConfig,
+    tokens: jax.Array,  # [b, t] int32
+    positions: jax.Array,  # [b, t] int32
+    cache: KVCache,
+    page_table: jax.Array,  # [b, pages] int32
+    *,
+    logits_index: jax.Array | None = None,  # [b] int32: compute logits only at tokens[:, index]
+    kernels: KernelConfig = XLA_KERNELS,
+) -> tuple[jax.Array, KVCache]:
+    """Runs the model over new tokens (forward_hidden) and returns (logits, cache).
+
+    logits: [b, t, vocab] float32, or [b, vocab] when `logits_index` is given.
+    """
+    x, cache = forward_hidden(params, config, tokens, positions, cache, page_table, kernels=kernels)
     if logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None], axis=1)[:, 0]  # [b, hidden]
-    head = params["embed"] if c.tie_word_embeddings else params["lm_head"]
-    logits = linear(x, head, kernels).astype(jnp.float32)
-    if c.final_logit_softcap is not None:
-        logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
-    return logits, cache
+    return output_logits(params, config, x, kernels), cache

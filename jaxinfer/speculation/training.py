@@ -1,0 +1,387 @@
+"""Training the draft heads (draft_heads.py) on text the target model generated itself.
+
+Why self-generated text: the heads must guess what *this* model will say next, so the best data is the
+model's own output (Medusa-2 and EAGLE train on self-distilled text the same way); with greedy
+verification the teacher-forced chain acceptance on held-out text is then exactly the number of
+drafts the engine would accept per step, given the same hidden states.
+
+The pipeline: `hidden_states` runs the target once over every whole sequence (prompt + response),
+`training_examples` cuts each response into (h_t, x[t+1..t+depth], x[t+2..t+depth+1]) examples,
+`train_heads` fits the heads with optax AdamW on the masked cross-entropy of `unroll_logits` and reports
+held-out accuracy per depth and the expected accepted drafts per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
+from jaxinfer.cpu_kernels.int4_matmul import unpack_int4
+from jaxinfer.kernel_dispatch import embed
+from jaxinfer.kv_cache import contiguous_page_table, init_cache
+from jaxinfer.models.params import Params
+from jaxinfer.models.transformer import XLA_KERNELS, forward_hidden
+from jaxinfer.sharding import make_mesh
+from jaxinfer.speculation.draft_heads import DraftHeads, init_heads, token_features, unroll_logits
+from jaxinfer.weight_formats import PackedInt4Weight
+
+PAGE_SIZE = 64  # positions per page of the throwaway cache (the CPU engine's default)
+TOKENS_PER_BATCH = 4096  # rows x padded length of one forward pass: big products, bounded attention memory
+EVAL_BATCH = 1024
+
+
+# --------------------------------------------------------------------------------------------------
+# The target's hidden states and output rows
+# --------------------------------------------------------------------------------------------------
+
+
+def length_bucket(n: int) -> int:
+    """The padded length of an n-token sequence: 64 x a power of two or 1.5 x one (64, 128, 192, 256,
+    384, 512, 768, ...), so a corpus compiles a handful of programs and wastes at most a third."""
+    size = PAGE_SIZE
+    while size < n:
+        size *= 2
+    if size >= 4 * PAGE_SIZE and size * 3 // 4 >= n:
+        size = size * 3 // 4
+    return size
+
+
+@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
+def _forward_hidden(params, config, tokens, positions, cache, page_table, kernels):
+    return forward_hidden(params, config, tokens, positions, cache, page_table, kernels=kernels)
+
+
+def hidden_states(
+    params: Params,
+    config: ModelConfig,
+    sequences: Sequence[Sequence[int]],
+    kernels: KernelConfig = XLA_KERNELS,
+    *,
+    cache_dtype: str = "float32",
+    tokens_per_batch: int = TOKENS_PER_BATCH,
+) -> list[np.ndarray]:
+    """Each sequence's final-normed hidden states [len, hidden] float32, from one causal pass over the
+    whole sequence (forward_hidden with `kernels` and a `cache_dtype` KV cache: pass the engine's own
+    so the heads see the states the engine will hand them).
+
+    Sequences of one length bucket run together, a fixed number of rows per bucket (padding rows and
+    positions are -1: nothing is written, their outputs are dropped), so every batch reuses one of a
+    few compiled programs; the throwaway cache of each bucket is donated from batch to batch.
+    """
+    out: list[np.ndarray | None] = [None] * len(sequences)
+    by_bucket: dict[int, list[int]] = {}
+    for index, seq in enumerate(sequences):
+        if len(seq) == 0:
+            out[index] = np.zeros((0, config.hidden_size), np.float32)
+        else:
+            by_bucket.setdefault(length_bucket(len(seq)), []).append(index)
+    mesh = make_mesh()
+    for length, members in sorted(by_bucket.items()):
+        rows = max(1, tokens_per_batch // length)
+        pages = length // PAGE_SIZE
+        cache_config = CacheConfig(
+            num_pages=rows * pages + 1, page_size=PAGE_SIZE, max_len=length, num_slots=rows, dtype=cache_dtype
+        )
+        cache = init_cache(config, cache_config, mesh)
+        page_table = jnp.asarray(contiguous_page_table(rows, pages))
+        for start in range(0, len(members), rows):
+            batch = members[start : start + rows]
+            tokens = np.zeros((rows, length), np.int32)
+            positions = np.full((rows, length), -1, np.int32)
+            for r, index in enumerate(batch):
+                n = len(sequences[index])
+                tokens[r, :n] = sequences[index]
+                positions[r, :n] = np.arange(n)
+            x, cache = _forward_hidden(
+                params, config, jnp.asarray(tokens), jnp.asarray(positions), cache, page_table, kernels
+            )
+            x = np.asarray(x.astype(jnp.float32))
+            for r, index in enumerate(batch):
+                out[index] = x[r, : len(sequences[index])]
+    return out  # type: ignore[return-value]
+
+
+def output_rows(params: Params, config: ModelConfig, ids: np.ndarray | jax.Array) -> jax.Array:
+    """The target's output-layer rows [len(ids), hidden] float32 for token `ids`: the tied embedding
+    table or lm_head, dequantised row by row whatever its format (no embed_scale: the logits
+    projection does not apply it)."""
+    head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+    if isinstance(head, PackedInt4Weight):  # the CPU kernel's layout has no row lookup of its own
+        head = unpack_int4(head)
+    return embed(head, jnp.asarray(ids, jnp.int32), jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Examples
+# --------------------------------------------------------------------------------------------------
+
+
+def draft_vocabulary(sequences: Sequence[Sequence[int]], vocab_size: int, size: int) -> np.ndarray:
+    """The `size` most frequent token ids of `sequences`, most frequent first (ties by id), int32; tokens
+    that never occur fill the rest by id when the text has fewer distinct ones."""
+    size = min(size, vocab_size)
+    text = np.concatenate([np.asarray(seq, np.int64).ravel() for seq in sequences] or [np.zeros(0, np.int64)])
+    counts = np.bincount(text, minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+    return order[:size].astype(np.int32)
+
+
+def draft_index(tokens: np.ndarray, vocab: np.ndarray) -> np.ndarray:
+    """Each token's index in the draft vocabulary `vocab`, -1 where it is not in it."""
+    order = np.argsort(vocab, kind="stable")
+    sorted_vocab = vocab[order]
+    pos = np.clip(np.searchsorted(sorted_vocab, tokens), 0, len(vocab) - 1)
+    return np.where(sorted_vocab[pos] == tokens, order[pos], -1).astype(np.int32)
+
+
+@dataclasses.dataclass
+class Examples:
+    """Teacher-forced examples: the head at depth i sees z from `hidden` and token inputs[:, i], and
+    should predict the draft-vocabulary entry targets[:, i] (-1: outside the draft vocabulary)."""
+
+    hidden: np.ndarray  # [n, hidden] float32: h_t
+    inputs: np.ndarray  # [n, depth] int32 token ids x[t+1 .. t+depth]
+    targets: np.ndarray  # [n, depth] int32 draft-vocabulary indices of x[t+2 .. t+depth+1], or -1
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+
+def training_examples(
+    sequences: Sequence[Sequence[int]],
+    hidden: Sequence[np.ndarray],
+    first_output_index: Sequence[int],
+    depth: int,
+    vocab: np.ndarray,
+) -> Examples:
+    """One example per position t of each sequence from first_output_index - 1 on (the states whose
+    next token the model generated) whose next depth + 1 tokens exist."""
+    parts_h, parts_in, parts_out = [], [], []
+    offsets = np.arange(depth + 1)
+    for seq, h, first in zip(sequences, hidden, first_output_index):
+        x = np.asarray(seq, np.int32)
+        start, stop = max(first - 1, 0), len(x) - depth - 1  # t in [start, stop)
+        if stop <= start:
+            continue
+        t = np.arange(start, stop)
+        window = x[t[:, None] + 1 + offsets]  # [n, depth + 1]: x[t+1 .. t+depth+1]
+        parts_h.append(np.asarray(h[start:stop], np.float32))
+        parts_in.append(window[:, :depth])
+        parts_out.append(draft_index(window[:, 1:], vocab))
+    if not parts_h:
+        width = hidden[0].shape[-1] if len(hidden) else 0
+        empty = np.zeros((0, depth), np.int32)
+        return Examples(np.zeros((0, width), np.float32), empty, empty.copy())
+    return Examples(np.concatenate(parts_h), np.concatenate(parts_in), np.concatenate(parts_out))
+
+
+# --------------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------------
+
+TRAINED_FIELDS = ("w", "b", "norm", "out")  # `vocab` is data, not a parameter
+
+
+def _heads(trained: dict[str, jax.Array], vocab: jax.Array) -> DraftHeads:
+    return DraftHeads(vocab=vocab, **trained)
+
+
+def _logits(trained, vocab, hidden, table, inputs):
+    """Teacher-forced draft logits [n, depth, draft_vocab] of examples whose input tokens are rows of the
+    feature table `table`."""
+    return unroll_logits(_heads(trained, vocab), hidden, jnp.take(table, inputs, axis=0))
+
+
+def _loss(trained, vocab, hidden, table, inputs, targets):
+    """Mean cross-entropy over the targets inside the draft vocabulary."""
+    logits = _logits(trained, vocab, hidden, table, inputs)
+    valid = targets >= 0
+    picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - picked
+    return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+
+
+@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("trained", "opt_state"))
+def _train_step(optimizer, trained, opt_state, vocab, hidden, table, inputs, targets, batch):
+    """One AdamW step on the examples `batch` [batch_size] of the device-resident training set."""
+    loss, grads = jax.value_and_grad(_loss)(
+        trained, vocab, hidden[batch], table, inputs[batch], targets[batch]
+    )
+    updates, opt_state = optimizer.update(grads, opt_state, trained)
+    return optax.apply_updates(trained, updates), opt_state, loss
+
+
+@jax.jit
+def _eval_batch(trained, vocab, hidden, table, inputs, targets, weight):
+    """Sums over a batch: (loss numerator, valid targets, correct drafts per depth [depth],
+    accepted drafts), each example counted `weight` (0 for padding)."""
+    logits = _logits(trained, vocab, hidden, table, inputs)
+    valid = targets >= 0
+    picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - picked
+    correct = (jnp.argmax(logits, axis=-1) == targets) & valid  # a target outside is never drafted
+    chain = jnp.cumprod(correct.astype(jnp.float32), axis=-1)  # drafts accepted up to depth i
+    w = weight[:, None]
+    return (
+        jnp.sum(jnp.where(valid, nll, 0.0) * w),
+        jnp.sum(valid * w),
+        jnp.sum(correct * w, axis=0),
+        jnp.sum(chain * w),
+    )
+
+
+def _padded(a: np.ndarray, fill) -> jax.Array:
+    """a [rows, ...] padded with `fill` to EVAL_BATCH rows (one compiled evaluation shape)."""
+    pad = np.full((EVAL_BATCH - len(a), *a.shape[1:]), fill, a.dtype)
+    return jnp.asarray(np.concatenate([a, pad]))
+
+
+def evaluate(trained, vocab, table, examples: Examples, feature_index: np.ndarray) -> dict:
+    """Teacher-forced metrics: loss, top-1 accuracy per depth (a target outside the draft vocabulary
+    counts as missed), the share of targets inside it, and the mean accepted drafts per step under
+    greedy chain acceptance (sum over depths of the product of correctness so far)."""
+    n, depth = len(examples), examples.inputs.shape[1]
+    if n == 0:
+        return {"examples": 0}
+    totals = [0.0, 0.0, np.zeros(depth), 0.0]
+    for start in range(0, n, EVAL_BATCH):
+        rows = slice(start, min(start + EVAL_BATCH, n))
+        weight = _padded(np.ones(n, np.float32)[rows], 0)
+        sums = _eval_batch(
+            trained, vocab, _padded(examples.hidden[rows], 0), table, _padded(feature_index[rows], 0),
+            _padded(examples.targets[rows], -1), weight,
+        )  # fmt: skip
+        for i, s in enumerate(sums):
+            totals[i] = totals[i] + np.asarray(s, np.float64)
+    loss_sum, valid, correct, accepted = totals
+    return {
+        "examples": n,
+        "loss": float(loss_sum / max(valid, 1.0)),
+        "in_draft_vocab": float(valid / (n * depth)),
+        "accuracy": [round(float(c / n), 4) for c in correct],
+        "accepted_per_step": float(accepted / n),
+    }
+
+
+def split_sequences(count: int, holdout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train, holdout) sequence indices: whole sequences are held out, so no held-out example shares
+    a response with a training one."""
+    order = np.random.default_rng(seed).permutation(count)
+    held = min(count - 1, math.ceil(holdout_fraction * count)) if holdout_fraction > 0 else 0
+    return np.sort(order[held:]), np.sort(order[:held])
+
+
+def train_heads(
+    params: Params,
+    config: ModelConfig,
+    sequences: Sequence[Sequence[int]],
+    first_output_index: Sequence[int],
+    *,
+    depth: int = 3,
+    draft_vocab: int = 4096,
+    steps: int = 1200,
+    batch_size: int = 256,
+    learning_rate: float = 3e-3,
+    weight_decay: float = 1e-4,
+    seed: int = 0,
+    holdout_fraction: float = 0.1,
+    hidden: Sequence[np.ndarray] | None = None,
+    kernels: KernelConfig = XLA_KERNELS,
+    cache_dtype: str = "float32",
+    log: Callable[[str], None] | None = None,
+) -> tuple[DraftHeads, dict]:
+    """Fits draft heads of `depth` over a `draft_vocab`-token draft vocabulary to `sequences` (prompt +
+    the target's own response, the response starting at first_output_index[i]).
+
+    hidden: the sequences' hidden states when already computed (hidden_states), else computed here with
+    `kernels` and `cache_dtype`. The draft vocabulary and the training examples come from the training
+    split; `holdout_fraction` of the sequences measure the result. Returns the heads and metrics:
+    "holdout" (evaluate's dict), "train" (the same on up to 4096 training examples), "loss_start" (the
+    first batch's loss, before any update), "loss_end" (the mean over the last 50 steps) and the sizes.
+    """
+    if len(sequences) != len(first_output_index):
+        raise ValueError(f"{len(sequences)=} but {len(first_output_index)=}")
+    if hidden is None:
+        hidden = hidden_states(params, config, sequences, kernels, cache_dtype=cache_dtype)
+    train_ids, hold_ids = split_sequences(len(sequences), holdout_fraction, seed)
+
+    def pick(ids: np.ndarray) -> tuple[list, list, list]:
+        return [sequences[i] for i in ids], [hidden[i] for i in ids], [first_output_index[i] for i in ids]
+
+    train_seqs, train_hidden, train_first = pick(train_ids)
+    responses = [seq[first:] for seq, first in zip(train_seqs, train_first)]
+    vocab = draft_vocabulary(responses, config.vocab_size, draft_vocab)
+    train = training_examples(train_seqs, train_hidden, train_first, depth, vocab)
+    holdout = training_examples(*pick(hold_ids), depth, vocab)
+    if len(train) == 0:
+        raise ValueError(f"no training examples: every response is shorter than {depth + 2} tokens")
+
+    # Token features e(t) once per distinct input token; examples index this table.
+    distinct = np.unique(np.concatenate([train.inputs.ravel(), holdout.inputs.ravel()]))
+    table = token_features(params, config, jnp.asarray(distinct, jnp.int32))
+
+    def feature_index(inputs: np.ndarray) -> np.ndarray:
+        return np.searchsorted(distinct, inputs).astype(np.int32)
+
+    key = jax.random.key(seed)
+    heads = init_heads(key, config.hidden_size, depth, vocab, output_rows(params, config, vocab))
+    trained = {name: getattr(heads, name) for name in TRAINED_FIELDS}
+    vocab_device = heads.vocab
+    warmup = min(100, max(1, steps // 10))
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, learning_rate, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
+        end_value=0.05 * learning_rate,
+    )  # fmt: skip
+    decay_mask = {name: name == "w" for name in TRAINED_FIELDS}  # norms, biases and vocab rows: no decay
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, weight_decay=weight_decay, mask=decay_mask),
+    )
+    opt_state = optimizer.init(trained)
+
+    hidden_dev = jnp.asarray(train.hidden)
+    inputs_dev = jnp.asarray(feature_index(train.inputs))
+    targets_dev = jnp.asarray(train.targets)
+    rng = np.random.default_rng(seed + 1)
+    batch_size = min(batch_size, len(train))
+    order, cursor, losses = rng.permutation(len(train)), 0, []
+    start = time.perf_counter()
+    for step in range(steps):
+        if cursor + batch_size > len(order):  # a new epoch
+            order, cursor = rng.permutation(len(train)), 0
+        batch = jnp.asarray(order[cursor : cursor + batch_size], jnp.int32)
+        cursor += batch_size
+        trained, opt_state, loss = _train_step(
+            optimizer, trained, opt_state, vocab_device, hidden_dev, table, inputs_dev, targets_dev, batch
+        )
+        losses.append(loss)
+        if log is not None and (step + 1) % max(1, steps // 10) == 0:
+            recent = float(np.mean(np.asarray(jnp.stack(losses[-50:]))))
+            log(f"step {step + 1}/{steps}: loss {recent:.3f} ({time.perf_counter() - start:.1f}s)")
+    losses_np = np.asarray(jnp.stack(losses)) if losses else np.zeros(0)
+
+    sample = np.random.default_rng(seed + 2).permutation(len(train))[:4096]
+    train_sample = Examples(train.hidden[sample], train.inputs[sample], train.targets[sample])
+    metrics = {
+        "depth": depth,
+        "draft_vocab": int(len(vocab)),
+        "sequences": {"train": len(train_ids), "holdout": len(hold_ids)},
+        "examples": {"train": len(train), "holdout": len(holdout)},
+        "steps": steps,
+        "batch_size": batch_size,
+        "learning_rate": learning_rate,
+        "loss_start": float(losses_np[0]) if len(losses_np) else None,  # before the first update
+        "loss_end": float(losses_np[-50:].mean()) if len(losses_np) else None,
+        "train": evaluate(trained, vocab_device, table, train_sample, feature_index(train_sample.inputs)),
+        "holdout": evaluate(trained, vocab_device, table, holdout, feature_index(holdout.inputs)),
+    }
+    return _heads(trained, vocab_device), metrics

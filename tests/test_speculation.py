@@ -1,0 +1,151 @@
+"""Speculative decoding: verification keeps greedy output token for token and sampled output in the
+target's distribution; the scheduler advances each request by what its step accepted."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer.generate import generate
+from jaxinfer.jax_engine import JaxEngine
+from jaxinfer.models.params import random_params
+from jaxinfer.request import SamplingParams
+from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
+from jaxinfer.speculation.config import SpeculationConfig
+from jaxinfer.speculation.draft_heads import init_heads
+from jaxinfer.speculation.ngram import propose_ngram
+from jaxinfer.structured_output import ALLOW_ALL, mask_words
+from jaxinfer.testing import IdTokenizer, paged_cache_config
+from tests.test_engine import GEMMA, LLAMA
+
+
+def _settings(n: int, temperature: float, top_k: int = 0, top_p: float = 1.0, seed0: int = 0) -> SlotSampling:
+    def vec(v, dtype):
+        return jnp.full((n,), v, dtype)
+
+    return SlotSampling(
+        temperature=vec(temperature, jnp.float32), top_k=vec(top_k, jnp.int32),
+        top_p=vec(top_p, jnp.float32), min_p=vec(0, jnp.float32), repetition_penalty=vec(1, jnp.float32),
+        presence_penalty=vec(0, jnp.float32), frequency_penalty=vec(0, jnp.float32),
+        num_logprobs=vec(-1, jnp.int32),
+        seed=jnp.stack([jnp.zeros(n, jnp.uint32), seed0 + jnp.arange(n, dtype=jnp.uint32)], axis=1),
+    )  # fmt: skip
+
+
+def test_ngram_proposes_the_continuation_of_the_latest_match():
+    tokens = [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 3, 5, 6, 7]
+    assert propose_ngram(tokens, 3, max_n=3, min_n=2) == [9, 3, 5]  # the latest "5 6 7", not the first
+    assert propose_ngram(tokens, 10, max_n=3, min_n=2) == [9, 3, 5, 6, 7]  # up to the context's end
+    assert propose_ngram([1, 2, 3, 4], 3) == []
+    assert propose_ngram([4, 4], 3, max_n=4, min_n=2) == []
+
+
+def _chi_square_p(observed: np.ndarray, p: np.ndarray) -> float:
+    p = p.astype(np.float64)
+    expected = p / p.sum() * observed.sum()
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+def _filtered_distribution(logits: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """The target distribution at temperature 0.9 after the filters, written out in numpy."""
+    p = np.exp(logits / 0.9 - np.max(logits / 0.9))
+    p /= p.sum()
+    order = np.argsort(-p)
+    keep = np.zeros_like(p, bool)
+    mass = 0.0
+    for rank, t in enumerate(order):
+        if (top_k and rank >= top_k) or mass >= top_p:
+            break
+        keep[t], mass = True, mass + p[t]
+    p = np.where(keep, p, 0)
+    ids = jnp.arange(len(p), dtype=jnp.int32)
+    rows = jnp.broadcast_to(jnp.asarray(logits), (len(p), len(p)))
+    got = np.asarray(filtered_probability(rows, _settings(len(p), 0.9, top_k, top_p), ids))
+    np.testing.assert_allclose(got, p / p.sum(), atol=1e-5)  # filtered_probability is that distribution
+    return got
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (3, 1.0), (0, 0.7)])
+def test_rejection_sampling_keeps_the_target_distribution(top_k, top_p):
+    """Position 0's token over many seeds, with a fixed draft: chi-square against the filtered target
+    distribution; the draft is accepted with exactly its target probability."""
+    vocab, n, draft = 7, 40_000, 2
+    rng = np.random.default_rng(0)
+    one = rng.normal(size=(2, vocab)).astype(np.float32) * 1.5
+    logits = jnp.broadcast_to(jnp.asarray(one), (n, 2, vocab))
+    s = _settings(n, 0.9, top_k, top_p)
+    drafts = jnp.full((n, 1), draft, jnp.int32)
+    mask = jnp.full((n, mask_words(vocab)), ALLOW_ALL, jnp.int32)
+    tokens, accepted = jax.jit(verify_drafts)(
+        logits, drafts, jnp.zeros((n, vocab), jnp.int32), s, jnp.zeros(n, jnp.int32), mask
+    )
+    p = _filtered_distribution(one[0], top_k, top_p)
+    assert abs(p.sum() - 1) < 1e-5
+    observed = np.bincount(np.asarray(tokens[:, 0]), minlength=vocab)
+    kept = p > 0
+    assert observed[~kept].sum() == 0  # filtered-out tokens never appear
+    assert _chi_square_p(observed[kept], p[kept]) > 1e-3
+    rate = float(np.mean(np.asarray(accepted) > 0))
+    assert abs(rate - p[draft]) < 4 * np.sqrt(p[draft] * (1 - p[draft]) / n) + 1e-9
+    # After an accepted draft, position 1 is a plain draw from the second distribution.
+    second = np.asarray(tokens[:, 1])[np.asarray(accepted) > 0]
+    p1 = _filtered_distribution(one[1], top_k, top_p)
+    observed1 = np.bincount(second, minlength=vocab)
+    assert _chi_square_p(observed1[p1 > 0], p1[p1 > 0]) > 1e-3
+
+
+def test_greedy_verification_accepts_the_argmax_chain():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.normal(size=(3, 4, 11)), jnp.float32)
+    best = np.asarray(jnp.argmax(logits, axis=-1))
+    drafts = np.array([best[0, :3], [best[1, 0], (best[1, 1] + 1) % 11, best[1, 2]], [-1, -1, -1]], np.int32)
+    mask = jnp.full((3, mask_words(11)), ALLOW_ALL, jnp.int32)
+    tokens, accepted = verify_drafts(
+        logits,
+        jnp.asarray(drafts),
+        jnp.zeros((3, 11), jnp.int32),
+        _settings(3, 0.0),
+        jnp.zeros(3, jnp.int32),
+        mask,
+    )
+    assert np.asarray(accepted).tolist() == [3, 1, 0]
+    np.testing.assert_array_equal(np.asarray(tokens), best)
+
+
+def _engine(config, k: int, heads: bool = False, slots: int = 4):
+    params = random_params(config, seed=5)
+    draft_heads = None
+    if heads:
+        vocab = np.arange(config.vocab_size, dtype=np.int32)
+        draft_heads = init_heads(jax.random.key(0), config.hidden_size, 3, vocab, params["embed"])
+    return JaxEngine(
+        params,
+        config,
+        paged_cache_config(slots, 96, page_size=8),
+        num_draft_tokens=k,
+        draft_heads=draft_heads,
+    )
+
+
+@pytest.mark.parametrize("method", ["ngram", "heads"])
+@pytest.mark.parametrize("config", [LLAMA, GEMMA], ids=["llama", "gemma3"])
+def test_greedy_speculation_gives_the_plain_tokens(config, method):
+    """Greedy output with drafts verified equals plain decoding, token for token, for a batch of
+    requests of different lengths (Gemma: past its sliding window), and some drafts were accepted."""
+    rng = np.random.default_rng(2)
+    motif = list(rng.integers(0, config.vocab_size, 6))
+    prompts = [motif * 4, list(rng.integers(0, config.vocab_size, 11)), motif * 2 + [3, 4]]
+    sampling = [SamplingParams(temperature=0, max_tokens=m) for m in (40, 25, 33)]
+    tok = IdTokenizer(config.vocab_size)
+    plain = generate(_engine(config, 0), tok, prompts, sampling)
+    spec = SpeculationConfig(method=method, num_draft_tokens=3, min_accepted=0.0)
+    fast = generate(_engine(config, 3, heads=method == "heads"), tok, prompts, sampling, speculation=spec)
+    for a, b in zip(plain, fast):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason
+    assert sum(c.num_draft_tokens for c in fast) > 0
+    if method == "ngram":  # a random model soon repeats itself: prompt lookup must hit
+        assert sum(c.num_accepted_tokens for c in fast) > 0

@@ -46,6 +46,7 @@ from jaxinfer.request import (
     encode_prompt,
     parse_sampling,
 )
+from jaxinfer.speculation.config import SpeculationConfig
 
 __all__ = [
     "BatchInputError",
@@ -293,6 +294,7 @@ def run_batch(
     max_queue: int = 64,
     progress: bool = True,
     errors: IO[str] | None = None,
+    speculation: SpeculationConfig | None = None,
 ) -> BatchSummary:
     """Generates a completion for every input line whose id is not yet in the output (module docstring).
 
@@ -316,7 +318,9 @@ def run_batch(
     ttfts: list[float] = []
     tpots: list[float] = []
     writer = _ResultWriter(output_path)
-    orchestrator = Orchestrator(engine, tokenizer, max_queue=max_queue, structured_output=False).start()
+    orchestrator = Orchestrator(
+        engine, tokenizer, max_queue=max_queue, structured_output=False, speculation=speculation
+    ).start()
     # One collector thread per request in flight: at most every slot plus the waiting queue.
     max_in_flight = engine.num_slots + max_queue
     pool = futures.ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="jaxinfer-batch")

@@ -88,6 +88,18 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
         "AVX2 or AVX-512 (JAXINFER_NATIVE_KERNELS=0 turns the native kernels off), else XLA",
     )  # fmt: skip
     p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
+    p.add_argument(
+        "--speculative", default="off", choices=["off", "ngram", "heads"],
+        help="speculative decoding: draft tokens by prompt lookup (ngram) or by draft heads on the model's "
+        "hidden state (heads), verified by the model in one step; a request may pick another or 'off'",
+    )  # fmt: skip
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts verified per step and request")
+    p.add_argument(
+        "--speculative-max-rows", type=int, default=4,
+        help="speculate only while at most this many requests decode (past it a step is no longer bound "
+        "by reading the weights and drafts stop paying)",
+    )  # fmt: skip
+    p.add_argument("--draft-heads", default=None, help="draft heads folder (scripts/train_draft_heads.py)")
 
 
 _MODEL_DEFAULT = " (default: the model's recommended value, else %(off)s)"
@@ -123,6 +135,7 @@ def _sampling_fields(args: argparse.Namespace) -> dict:
 def _runtime_options(args: argparse.Namespace):
     from jaxinfer.runtime import RuntimeOptions, parse_memory_size
     from jaxinfer.sharding import parse_mesh
+    from jaxinfer.speculation.config import SpeculationConfig
 
     kwargs = {}
     if args.kv_cache_memory is not None:
@@ -134,6 +147,14 @@ def _runtime_options(args: argparse.Namespace):
         kwargs["compilation_cache_dir"] = args.compilation_cache or None
     if args.weights_cache is not None:
         kwargs["weights_cache_dir"] = args.weights_cache or None
+    if args.speculative != "off":
+        try:
+            kwargs["speculation"] = SpeculationConfig(
+                method=args.speculative, num_draft_tokens=args.num_draft_tokens,
+                max_rows=args.speculative_max_rows,
+            )  # fmt: skip
+        except ValueError as e:
+            raise UserError(str(e)) from e
     return RuntimeOptions(
         model=args.model,
         dtype=args.dtype,
@@ -148,6 +169,7 @@ def _runtime_options(args: argparse.Namespace):
         quantize=args.quantize,
         int8_activations=args.int8_activations,
         attention_impl=args.attention_impl,
+        draft_heads=args.draft_heads,
         **kwargs,
     )
 
@@ -186,7 +208,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = generate(
         runtime.engine, tok, prompts, [sampling] * len(prompts), on_text=on_text if stream else None,
-        enable_prefix_caching=args.prefix_caching,
+        enable_prefix_caching=args.prefix_caching, speculation=runtime.options.speculation,
     )  # fmt: skip
     wall = time.perf_counter() - start
     info = runtime.model_info()
@@ -290,7 +312,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )  # fmt: skip
         orchestrator = Orchestrator(
             engine, runtime.tokenizer, max_queue=args.max_queue,
-            enable_prefix_caching=options.enable_prefix_caching,
+            enable_prefix_caching=options.enable_prefix_caching, speculation=options.speculation,
         )  # fmt: skip
         info = runtime.model_info()
         return serve_forever(
@@ -323,7 +345,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     summary = run_batch(
         runtime.engine, runtime.tokenizer, args.input, args.output,
         base_fields=fields, sampling_defaults=runtime.sampling_defaults, strict=args.strict,
-        max_queue=args.max_queue, progress=not args.no_progress,
+        max_queue=args.max_queue, progress=not args.no_progress, speculation=runtime.options.speculation,
     )  # fmt: skip
     print(summary.format(), file=sys.stderr)
     if args.summary_json:

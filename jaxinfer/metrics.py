@@ -77,6 +77,12 @@ _COUNTS = {
     "preemptions": ("preemptions", "Requests preempted for lack of KV pages (recomputed later)."),
     "prefix_cache_queries": ("prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache."),
+    "spec_draft_tokens": ("spec_decode_draft_tokens", "Draft tokens verified (speculative decoding)."),
+    "spec_accepted_tokens": ("spec_decode_accepted_tokens", "Draft tokens accepted (speculative decoding)."),
+    "spec_verify_steps": (
+        "spec_decode_verify_steps",
+        "Request-steps that verified drafts; accepted / verify steps is the mean accepted length per step.",
+    ),
 }
 
 
@@ -179,6 +185,9 @@ class ServingMetrics:
         num_preemptions: int = 0,
         prefix_cache_query_tokens: int = 0,
         prefix_cache_hit_tokens: int = 0,
+        spec_draft_tokens: int = 0,
+        spec_accepted_tokens: int = 0,
+        spec_verify_steps: int = 0,
     ) -> None:
         """Gauges as they are now, and the scheduler's running totals (counters)."""
         gauges = {
@@ -193,6 +202,9 @@ class ServingMetrics:
             "preemptions": float(num_preemptions),
             "prefix_cache_queries": float(prefix_cache_query_tokens),
             "prefix_cache_hits": float(prefix_cache_hit_tokens),
+            "spec_draft_tokens": float(spec_draft_tokens),
+            "spec_accepted_tokens": float(spec_accepted_tokens),
+            "spec_verify_steps": float(spec_verify_steps),
         }
         with self._lock:
             grown = {name: value - self._state[name] for name, value in totals.items()}

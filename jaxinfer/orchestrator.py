@@ -46,6 +46,7 @@ from jaxinfer.engine import Engine
 from jaxinfer.metrics import ServingMetrics
 from jaxinfer.request import FinishReason, SamplingParams, check_request, with_eos
 from jaxinfer.scheduler import QueueFull, RequestOutput, Scheduler, TokenLogprobs, dispatch
+from jaxinfer.speculation.config import SpeculationConfig
 from jaxinfer.structured_output import GrammarCompiler
 
 log = logging.getLogger(__name__)
@@ -151,6 +152,7 @@ class Orchestrator:
     metrics: where latencies and gauges go (default: a new ServingMetrics).
     structured_output: accept requests with a grammar; None: when the tokenizer can list its tokens
         (building the token table takes ~1 s for a 262k vocabulary).
+    speculation: draft tokens for the engine to verify (scheduler.py; the engine must verify as many).
     on_fatal: called once, from the failing thread, after an unexpected exception; it must not block
         (to stop a server from it, start a thread that calls stop()).
     """
@@ -166,6 +168,7 @@ class Orchestrator:
         metrics: ServingMetrics | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         structured_output: bool | None = None,
+        speculation: SpeculationConfig | None = None,
     ):
         self.engine = engine
         self.tokenizer = tokenizer
@@ -185,6 +188,8 @@ class Orchestrator:
             enable_prefix_caching=enable_prefix_caching,
             detokenizer_factory=tokenizer.detokenizer,
             grammar_compiler=self._grammar,
+            speculation=speculation,
+            draft_heads_depth=engine.draft_heads_depth,
         )
         self._cond = threading.Condition()  # guards _scheduler and the flags below
         # Live handles: added by submit(), removed by the stream thread when the last event is sent.
@@ -281,6 +286,8 @@ class Orchestrator:
                 "num_preemptions": s.num_preemptions,
                 "prefix_cache_query_tokens": s.prefix_query_tokens,
                 "prefix_cache_hit_tokens": s.prefix_hit_tokens,
+                "spec_draft_tokens": s.num_draft_tokens,
+                "spec_accepted_tokens": s.num_accepted_tokens,
                 "num_steps": self._num_steps,
                 "finished": {str(r): n for r, n in self._finished_by_reason.items()},
                 "accepting": self._accepting,
@@ -418,6 +425,9 @@ class Orchestrator:
             num_preemptions=s.num_preemptions,
             prefix_cache_query_tokens=s.prefix_query_tokens,
             prefix_cache_hit_tokens=s.prefix_hit_tokens,
+            spec_draft_tokens=s.num_draft_tokens,
+            spec_accepted_tokens=s.num_accepted_tokens,
+            spec_verify_steps=s.num_verify_rows,
         )
 
     def _run_stream_loop(self) -> None:

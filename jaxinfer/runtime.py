@@ -37,6 +37,8 @@ from jaxinfer.quantization import (
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, resolve_model
 from jaxinfer.request import ModelDefaults
 from jaxinfer.sharding import TENSOR, make_mesh, param_placement
+from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod
+from jaxinfer.speculation.draft_heads import HEADS_FILE, DraftHeads, load_heads
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 CACHE_ROOT = Path(os.environ.get("JAXINFER_CACHE_DIR", Path.home() / ".cache" / "jaxinfer"))
 DEFAULT_COMPILATION_CACHE = CACHE_ROOT / "xla"
 DEFAULT_WEIGHTS_CACHE = CACHE_ROOT / "weights"
+DEFAULT_DRAFT_HEADS = CACHE_ROOT / "draft_heads"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +77,10 @@ class RuntimeOptions:
     # int8 weights converted from a GGUF file are kept here (an orbax checkpoint per file), so a later
     # start skips parsing and dequantising the file. None or '' disables.
     weights_cache_dir: str | None = str(DEFAULT_WEIGHTS_CACHE)
+    # Speculative decoding (None: off, and requests may not ask for it); draft_heads: a folder of heads
+    # trained for this model (scripts/train_draft_heads.py), default DEFAULT_DRAFT_HEADS / model name.
+    speculation: SpeculationConfig | None = None
+    draft_heads: str | None = None
 
 
 @dataclasses.dataclass
@@ -235,6 +242,22 @@ def _load_converted(entry: Path, dtype: str, placement) -> tuple[LoadedModel, To
     return loaded, tokenizer
 
 
+def _draft_heads(options: RuntimeOptions, config: ModelConfig) -> DraftHeads | None:
+    """The draft heads of --draft-heads, else of the model's default folder when it exists; required
+    when the server speculates with heads."""
+    path = Path(options.draft_heads or DEFAULT_DRAFT_HEADS / Path(str(options.model)).name)
+    if not (path / HEADS_FILE).is_file():
+        if options.speculation.method is SpeculativeMethod.HEADS:
+            raise ValueError(
+                f"--speculative heads needs draft heads: none in {path} (train them with "
+                "scripts/train_draft_heads.py, or pass --draft-heads)"
+            )
+        return None
+    heads, _ = load_heads(path, config)
+    log.info("draft heads from %s: %d deep, %d-token vocabulary", path, heads.depth, heads.vocab.shape[0])
+    return heads
+
+
 def enable_compilation_cache(directory: str | None) -> None:
     """JAX's persistent compilation cache: the second start of the same programs skips XLA compilation."""
     if not directory:
@@ -339,6 +362,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     )
     kernels = dataclasses.replace(kernels, int8_activations=options.int8_activations)
     loaded = dataclasses.replace(loaded, params=add_kernel_forms(loaded.params, kernels))
+    spec = options.speculation
     engine = JaxEngine(
         loaded.params,
         loaded.config,
@@ -346,6 +370,8 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         mesh=mesh,
         max_prefill_chunk=options.max_prefill_chunk,
         kernels=kernels,
+        num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
+        draft_heads=_draft_heads(options, loaded.config) if spec is not None else None,
     )
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s) in %.1fs", options.model, loaded.config.arch, seconds)

@@ -387,6 +387,8 @@ class Scheduler:
             raise ValueError("stop strings need a detokenizer_factory")
         if sampling.structured_output is not None and self._grammar is None:
             raise RequestError("structured output is not served here", "structured_output")
+        if sampling.speculative not in (None, SpeculativeMethod.OFF) and self.speculation is None:
+            raise RequestError("this server runs without speculative decoding (--speculative)", "speculative")
         if sampling.speculative == SpeculativeMethod.HEADS and not self._draft_heads_depth:
             raise RequestError("speculative='heads': this server has no draft heads", "speculative")
         if len(self._waiting) >= self.max_queue:

@@ -140,7 +140,7 @@ class MockEngine(Engine):
         self.max_unread_decodes = 0  # >1: a decode was dispatched before the previous one was read
         self.prefill_log: list[tuple[tuple[int, int, int, bool], ...]] = []  # (slot, start, len, last)
         self.decode_log: list[tuple[int, ...]] = []  # slots listed in each decode step
-        self.draft_log: list[dict[int, tuple[int, ...]]] = []  # each verification step's drafts per slot
+        self.draft_log: list[dict[int, tuple[int, ...]]] = []  # each decode step's drafts per slot
 
     @property
     def num_slots(self) -> int:
@@ -286,10 +286,9 @@ class MockEngine(Engine):
         )
         listed = tuple(int(i) for i in np.flatnonzero(batch.positions >= 0))
         self.decode_log.append(listed)
-        if verify:
-            self.draft_log.append(
-                {slot: tuple(int(d) for d in batch.drafts[slot] if d >= 0) for slot in listed}
-            )
+        self.draft_log.append(
+            {slot: tuple(int(d) for d in batch.drafts[slot] if d >= 0) for slot in listed} if verify else {}
+        )
         for slot in listed:
             s = self._slots[slot]
             if not s.active:

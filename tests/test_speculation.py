@@ -12,13 +12,13 @@ from scipy import stats
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
-from jaxinfer.request import SamplingParams
+from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
 from jaxinfer.speculation.config import SpeculationConfig
 from jaxinfer.speculation.draft_heads import init_heads
 from jaxinfer.speculation.ngram import propose_ngram
 from jaxinfer.structured_output import ALLOW_ALL, mask_words
-from jaxinfer.testing import IdTokenizer, paged_cache_config
+from jaxinfer.testing import FakeTokenizer, IdTokenizer, MockEngine, paged_cache_config
 from tests.test_engine import GEMMA, LLAMA
 
 
@@ -149,3 +149,77 @@ def test_greedy_speculation_gives_the_plain_tokens(config, method):
     assert sum(c.num_draft_tokens for c in fast) > 0
     if method == "ngram":  # a random model soon repeats itself: prompt lookup must hit
         assert sum(c.num_accepted_tokens for c in fast) > 0
+
+
+def _mock_prompt(engine: MockEngine, sampling: SamplingParams, start: int, length: int) -> list[int]:
+    """`length` tokens the mock model would produce from `start`, then its first three again: the last
+    two tokens occurred before, followed by exactly what the model says next (prompt lookup hits)."""
+    run = [start] + engine.reference_tokens(
+        [start], SamplingParams(seed=sampling.seed, max_tokens=length - 1)
+    )
+    return run + run[:3]
+
+
+@pytest.mark.parametrize("method", ["ngram", "heads"])
+def test_speculating_requests_match_the_plain_tokens_and_free_everything(method):
+    tok = FakeTokenizer()
+    engine = MockEngine(num_slots=3, max_seq_len=64, vocab_size=tok.vocab_size, max_draft_tokens=4,
+                        draft_heads_depth=4 if method == "heads" else 0)  # fmt: skip
+    rng = np.random.default_rng(0)
+    prompts, sampling = [], []
+    for _ in range(9):
+        s = SamplingParams(
+            seed=int(rng.integers(5)), max_tokens=int(rng.integers(1, 30)), stop_token_ids=tok.eos_ids
+        )
+        prompts.append(_mock_prompt(engine, s, int(rng.integers(tok.vocab_size)), int(rng.integers(4, 20))))
+        sampling.append(s)
+    spec = SpeculationConfig(method=method, num_draft_tokens=4, max_rows=3)
+    results = generate(engine, tok, prompts, sampling, speculation=spec)
+    for prompt, s, r in zip(prompts, sampling, results):
+        assert r.token_ids == engine.reference_tokens(prompt, s)
+    assert sum(r.num_accepted_tokens for r in results) > 0
+    assert any(d for step in engine.draft_log for d in step.values())
+    if method == "heads":  # every third head draft is wrong: some rejected, none past a rejection
+        assert 0 < sum(r.num_accepted_tokens for r in results) < sum(r.num_draft_tokens for r in results)
+
+
+def test_drafts_that_keep_failing_pause_and_resume():
+    """Prompt lookup proposes a pattern the model does not follow: the request stops drafting for
+    pause_steps decode steps, then tries again."""
+    tok = FakeTokenizer()
+    engine = MockEngine(num_slots=1, max_seq_len=200, vocab_size=tok.vocab_size, max_draft_tokens=2)
+    s = SamplingParams(seed=0, max_tokens=60, stop_token_ids=tok.eos_ids)
+    # The model continues with last + 1; the prompt says "5 6" is followed by 40 (and "6 40" by 5).
+    prompt = [5, 6, 40] * 5 + [5, 6]
+    spec = SpeculationConfig(method="ngram", num_draft_tokens=2, min_accepted=0.5, pause_steps=6, ngram_min=1)
+    (result,) = generate(engine, tok, [prompt], [s], speculation=spec)
+    assert result.token_ids == engine.reference_tokens(prompt, s)
+    verify_steps = sum(1 for drafts in engine.draft_log if drafts)
+    assert 0 < verify_steps < len(engine.decode_log) - 6  # paused for at least one spell of 6 steps
+    assert result.num_draft_tokens > 0 and result.num_accepted_tokens < result.num_draft_tokens / 2
+
+
+def test_speculation_stops_when_more_requests_decode_than_max_rows():
+    tok = FakeTokenizer()
+    engine = MockEngine(num_slots=4, max_seq_len=64, vocab_size=tok.vocab_size, max_draft_tokens=3)
+    sampling = [SamplingParams(seed=1, max_tokens=m, stop_token_ids=tok.eos_ids) for m in (4, 7, 20, 24)]
+    prompts = [_mock_prompt(engine, s, start, 8) for s, start in zip(sampling, (3, 9, 14, 20))]
+    spec = SpeculationConfig(method="ngram", num_draft_tokens=3, max_rows=2)
+    results = generate(engine, tok, prompts, sampling, speculation=spec)
+    for prompt, s, r in zip(prompts, sampling, results):
+        assert r.token_ids == engine.reference_tokens(prompt, s)
+    verified = [listed for listed, drafts in zip(engine.decode_log, engine.draft_log) if drafts]
+    assert verified  # it ran once two requests had finished
+    assert all(len(listed) <= 2 for listed in verified)  # and only while at most two decoded
+
+
+def test_a_request_cannot_ask_for_what_the_server_lacks():
+    tok = FakeTokenizer()
+    engine = MockEngine(vocab_size=tok.vocab_size)
+    with pytest.raises(RequestError, match="without speculative decoding"):
+        generate(engine, tok, [[3, 4]], [SamplingParams(speculative="ngram")])
+    with pytest.raises(RequestError, match="no draft heads"):
+        generate(engine, tok, [[3, 4]], [SamplingParams(speculative="heads")],
+                 speculation=SpeculationConfig(method="ngram"))  # fmt: skip
+    with pytest.raises(RequestError, match="speculative"):
+        SamplingParams(speculative="medusa").validate()

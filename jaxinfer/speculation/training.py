@@ -188,22 +188,21 @@ def training_examples(
 # Training
 # --------------------------------------------------------------------------------------------------
 
-TRAINED_FIELDS = ("w", "b", "norm", "out")  # `vocab` is data, not a parameter
+
+def _heads(trained: dict[str, jax.Array], fixed: dict[str, jax.Array]) -> DraftHeads:
+    """The heads from the fields being trained and the fixed ones (`vocab`, and `out` when frozen)."""
+    return DraftHeads(**trained, **fixed)
 
 
-def _heads(trained: dict[str, jax.Array], vocab: jax.Array) -> DraftHeads:
-    return DraftHeads(vocab=vocab, **trained)
-
-
-def _logits(trained, vocab, hidden, table, inputs):
+def _logits(trained, fixed, hidden, table, inputs):
     """Teacher-forced draft logits [n, depth, draft_vocab] of examples whose input tokens are rows of the
     feature table `table`."""
-    return unroll_logits(_heads(trained, vocab), hidden, jnp.take(table, inputs, axis=0))
+    return unroll_logits(_heads(trained, fixed), hidden, jnp.take(table, inputs, axis=0))
 
 
-def _loss(trained, vocab, hidden, table, inputs, targets):
+def _loss(trained, fixed, hidden, table, inputs, targets):
     """Mean cross-entropy over the targets inside the draft vocabulary."""
-    logits = _logits(trained, vocab, hidden, table, inputs)
+    logits = _logits(trained, fixed, hidden, table, inputs)
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
     nll = jax.nn.logsumexp(logits, axis=-1) - picked
@@ -211,20 +210,20 @@ def _loss(trained, vocab, hidden, table, inputs, targets):
 
 
 @functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("trained", "opt_state"))
-def _train_step(optimizer, trained, opt_state, vocab, hidden, table, inputs, targets, batch):
+def _train_step(optimizer, trained, opt_state, fixed, hidden, table, inputs, targets, batch):
     """One AdamW step on the examples `batch` [batch_size] of the device-resident training set."""
     loss, grads = jax.value_and_grad(_loss)(
-        trained, vocab, hidden[batch], table, inputs[batch], targets[batch]
+        trained, fixed, hidden[batch], table, inputs[batch], targets[batch]
     )
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss
 
 
 @jax.jit
-def _eval_batch(trained, vocab, hidden, table, inputs, targets, weight):
+def _eval_batch(trained, fixed, hidden, table, inputs, targets, weight):
     """Sums over a batch: (loss numerator, valid targets, correct drafts per depth [depth],
     accepted drafts), each example counted `weight` (0 for padding)."""
-    logits = _logits(trained, vocab, hidden, table, inputs)
+    logits = _logits(trained, fixed, hidden, table, inputs)
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
     nll = jax.nn.logsumexp(logits, axis=-1) - picked
@@ -245,7 +244,7 @@ def _padded(a: np.ndarray, fill) -> jax.Array:
     return jnp.asarray(np.concatenate([a, pad]))
 
 
-def evaluate(trained, vocab, table, examples: Examples, feature_index: np.ndarray) -> dict:
+def evaluate(trained, fixed, table, examples: Examples, feature_index: np.ndarray) -> dict:
     """Teacher-forced metrics: loss, top-1 accuracy per depth (a target outside the draft vocabulary
     counts as missed), the share of targets inside it, and the mean accepted drafts per step under
     greedy chain acceptance (sum over depths of the product of correctness so far)."""
@@ -257,7 +256,7 @@ def evaluate(trained, vocab, table, examples: Examples, feature_index: np.ndarra
         rows = slice(start, min(start + EVAL_BATCH, n))
         weight = _padded(np.ones(n, np.float32)[rows], 0)
         sums = _eval_batch(
-            trained, vocab, _padded(examples.hidden[rows], 0), table, _padded(feature_index[rows], 0),
+            trained, fixed, _padded(examples.hidden[rows], 0), table, _padded(feature_index[rows], 0),
             _padded(examples.targets[rows], -1), weight,
         )  # fmt: skip
         for i, s in enumerate(sums):
@@ -292,6 +291,7 @@ def train_heads(
     batch_size: int = 256,
     learning_rate: float = 3e-3,
     weight_decay: float = 1e-4,
+    train_output: bool = True,
     seed: int = 0,
     holdout_fraction: float = 0.1,
     hidden: Sequence[np.ndarray] | None = None,
@@ -334,14 +334,16 @@ def train_heads(
 
     key = jax.random.key(seed)
     heads = init_heads(key, config.hidden_size, depth, vocab, output_rows(params, config, vocab))
-    trained = {name: getattr(heads, name) for name in TRAINED_FIELDS}
-    vocab_device = heads.vocab
+    frozen = ("vocab",) if train_output else ("vocab", "out")
+    fields = [f.name for f in dataclasses.fields(DraftHeads)]
+    trained = {name: getattr(heads, name) for name in fields if name not in frozen}
+    fixed = {name: getattr(heads, name) for name in frozen}
     warmup = min(100, max(1, steps // 10))
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, learning_rate, warmup_steps=warmup, decay_steps=max(steps, warmup + 1),
         end_value=0.05 * learning_rate,
     )  # fmt: skip
-    decay_mask = {name: name == "w" for name in TRAINED_FIELDS}  # norms, biases and vocab rows: no decay
+    decay_mask = {name: name == "w" for name in trained}  # norms, biases and output rows: no decay
     optimizer = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.adamw(schedule, weight_decay=weight_decay, mask=decay_mask),
@@ -361,7 +363,7 @@ def train_heads(
         batch = jnp.asarray(order[cursor : cursor + batch_size], jnp.int32)
         cursor += batch_size
         trained, opt_state, loss = _train_step(
-            optimizer, trained, opt_state, vocab_device, hidden_dev, table, inputs_dev, targets_dev, batch
+            optimizer, trained, opt_state, fixed, hidden_dev, table, inputs_dev, targets_dev, batch
         )
         losses.append(loss)
         if log is not None and (step + 1) % max(1, steps // 10) == 0:
@@ -381,7 +383,7 @@ def train_heads(
         "learning_rate": learning_rate,
         "loss_start": float(losses_np[0]) if len(losses_np) else None,  # before the first update
         "loss_end": float(losses_np[-50:].mean()) if len(losses_np) else None,
-        "train": evaluate(trained, vocab_device, table, train_sample, feature_index(train_sample.inputs)),
-        "holdout": evaluate(trained, vocab_device, table, holdout, feature_index(holdout.inputs)),
+        "train": evaluate(trained, fixed, table, train_sample, feature_index(train_sample.inputs)),
+        "holdout": evaluate(trained, fixed, table, holdout, feature_index(holdout.inputs)),
     }
-    return _heads(trained, vocab_device), metrics
+    return _heads(trained, fixed), metrics

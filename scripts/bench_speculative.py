@@ -1,0 +1,130 @@
+"""What speculative decoding buys: decode tokens/s with drafts verified against the same engine without,
+measured in one run, alternating.
+
+    .venv/bin/python scripts/bench_speculative.py [--model smollm2-135m-instruct] [--num-draft-tokens 4]
+        [--max-tokens 256] [--repeats 3] [--draft-heads DIR] [--streams 16]
+
+Workloads (scripts/speculation_prompts.py), greedy, the model's chat template:
+  code edit, 1 stream, n-gram drafts: a module to return with a variable renamed (the answer repeats
+      its context);
+  chat, 1 stream, draft heads (when heads exist for the model): ordinary questions the heads were not
+      trained on, one at a time;
+  chat, --streams streams, the server's default drafter: the adaptive switch must keep speculation
+      from slowing a batch down.
+One engine serves both arms (the same programs, the same weights): `generate(..., speculation=None)`
+decodes plainly, `speculation=config` drafts and verifies. Prints decode tokens/s (tokens after the
+first over the time after the first), each arm's median over --repeats, the ratio, the acceptance
+(accepted / drafted) and mean tokens per verification step, and whether the greedy tokens were equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from speculation_prompts import CHAT_PROMPTS, CODE_EDIT_PROMPT  # noqa: E402
+
+from jaxinfer.cpu_kernels.native_build import cpu_description  # noqa: E402
+from jaxinfer.generate import generate  # noqa: E402
+from jaxinfer.request import SamplingParams, with_eos  # noqa: E402
+from jaxinfer.runtime import RuntimeOptions, build_runtime  # noqa: E402
+from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod  # noqa: E402
+
+
+def run(runtime, prompts, sampling, speculation):
+    """(decode tokens/s over all streams, results, seconds)."""
+    start = time.perf_counter()
+    results = generate(runtime.engine, runtime.tokenizer, prompts, [sampling] * len(prompts),
+                       speculation=speculation)  # fmt: skip
+    wall = time.perf_counter() - start
+    decode_tokens = sum(len(r.token_ids) - 1 for r in results)
+    decode_time = max(r.ttft_s + r.tpot_s * (len(r.token_ids) - 1) for r in results) - min(
+        r.ttft_s for r in results
+    )
+    return decode_tokens / max(decode_time, 1e-9), results, wall
+
+
+def compare(runtime, name, prompts, sampling, speculation, repeats) -> dict:
+    plain, fast, same, drafted, accepted, steps = [], [], True, 0, 0, 0
+    for _ in range(repeats):
+        rate, base, _ = run(runtime, prompts, sampling, None)
+        plain.append(rate)
+        rate, spec, _ = run(runtime, prompts, sampling, speculation)
+        fast.append(rate)
+        same &= all(a.token_ids == b.token_ids for a, b in zip(base, spec))
+        drafted += sum(r.num_draft_tokens for r in spec)
+        accepted += sum(r.num_accepted_tokens for r in spec)
+        steps += sum(len(r.token_ids) for r in spec)
+    p, f = statistics.median(plain), statistics.median(fast)
+    row = dict(
+        workload=name, plain=p, speculative=f, ratio=f / p, acceptance=accepted / max(drafted, 1),
+        drafted=drafted, accepted=accepted, same_tokens=same, plain_runs=plain, speculative_runs=fast,
+    )  # fmt: skip
+    print(
+        f"{name:<34} plain {p:7.1f} tok/s   speculative {f:7.1f} tok/s   {f / p:5.2f}x   "
+        f"acceptance {row['acceptance']:.2f} ({accepted}/{drafted})   same greedy tokens: {same}\n"
+        f"{'':<34} runs: plain {[round(x, 1) for x in plain]}, speculative {[round(x, 1) for x in fast]}",
+        flush=True,
+    )
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quantize", default="auto")
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--chat-prompts", type=int, default=4, help="one-stream chat prompts, run one at a time")
+    ap.add_argument("--draft-heads", default=None)
+    args = ap.parse_args()
+
+    print(f"CPU: {cpu_description()}")
+    config = SpeculationConfig(method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens)
+    options = RuntimeOptions(
+        model=args.model, quantize=args.quantize, num_slots=args.streams, speculation=config,
+        draft_heads=args.draft_heads,
+    )  # fmt: skip
+    runtime = build_runtime(options)
+    print(
+        f"warm-up {runtime.engine.warmup():.1f} s; draft heads: {runtime.engine.draft_heads_depth or 'none'}"
+    )
+    tok = runtime.tokenizer
+    sampling = with_eos(SamplingParams(temperature=0, max_tokens=args.max_tokens), tok.eos_ids)
+
+    def chat(text: str) -> list[int]:
+        return tok.encode_chat([{"role": "user", "content": text}])
+
+    rows = [compare(runtime, "code edit, 1 stream, ngram", [chat(CODE_EDIT_PROMPT)], sampling, config,
+                    args.repeats)]  # fmt: skip
+    methods = [SpeculativeMethod.NGRAM]
+    if runtime.engine.draft_heads_depth:
+        methods.append(SpeculativeMethod.HEADS)
+    for method in methods:
+        spec = dataclasses.replace(config, method=method)
+        for i, text in enumerate(CHAT_PROMPTS[: args.chat_prompts]):
+            rows.append(
+                compare(runtime, f"chat {i}, 1 stream, {method}", [chat(text)], sampling, spec, args.repeats)
+            )
+    many = [chat(t) for t in (CHAT_PROMPTS * args.streams)[: args.streams]]
+    spec = dataclasses.replace(config, method=methods[-1])
+    rows.append(
+        compare(runtime, f"chat, {args.streams} streams, {methods[-1]}", many, sampling, spec, args.repeats)
+    )
+    for method in methods:
+        chats = [r for r in rows if r["workload"].startswith("chat ") and r["workload"].endswith(str(method))]
+        if chats:
+            print(f"chat, 1 stream, {method}: geometric mean ratio "
+                  f"{statistics.geometric_mean(r['ratio'] for r in chats):.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

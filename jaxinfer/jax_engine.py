@@ -38,7 +38,7 @@ from jaxinfer.models.transformer import forward_hidden, output_logits
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs, verify_drafts
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
-from jaxinfer.speculation.draft_heads import DraftHeads, propose
+from jaxinfer.speculation.draft_heads import DraftHeads, for_serving, propose
 from jaxinfer.structured_output import ALLOW_ALL, allow_all, mask_words
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,9 @@ def _step_logprobs(logits, tokens, settings, t: int):
     return chosen.reshape(n, t), vals.reshape(n, t, -1), ids.reshape(n, t, -1)
 
 
-def _propose(heads, params, config, hidden, token):
+def _propose(heads, params, config, kernels, hidden, token):
     """The heads' drafts after `token` [n] from hidden [n, hidden_size]; None without heads."""
-    return None if heads is None else propose(heads, params, config, hidden, token, heads.depth)
+    return None if heads is None else propose(heads, params, config, hidden, token, heads.depth, kernels)
 
 
 def _prefill_step(
@@ -162,7 +162,7 @@ def _prefill_step(
         counts=put(state.counts, counts_row[0].at[token[0]].add(1)),
     )
     num_slots = state.tokens.shape[0]
-    drafts = _propose(heads, params, config, hidden, token)
+    drafts = _propose(heads, params, config, kernels, hidden, token)
     row = _pack(token[:, None], is_last.astype(jnp.int32)[None], done, reason, logprobs, drafts)
     out = jnp.zeros((num_slots, row.shape[1]), jnp.int32).at[slot].set(row[0])
     return state, out
@@ -290,7 +290,7 @@ def _verify_step(
         counts=put(state.counts, counts.at[rows[:, None], tokens].add(emitted)),
     )
     logprobs = _step_logprobs(logits.reshape(n * t, -1), tokens, sampling, t)
-    next_drafts = _propose(heads, params, config, hidden[rows, last], last_token)
+    next_drafts = _propose(heads, params, config, kernels, hidden[rows, last], last_token)
     packed = _pack(tokens, num_tokens, done, reason, logprobs, next_drafts)
     return state, _all_slots(packed, num_slots)
 
@@ -394,7 +394,9 @@ class JaxEngine(api.Engine):
             )
         self._num_draft_tokens = num_draft_tokens
         replicated = NamedSharding(self.mesh, P())
-        self.heads = None if draft_heads is None else jax.device_put(draft_heads, replicated)
+        if draft_heads is not None:
+            draft_heads = jax.device_put(for_serving(draft_heads, self.kernels), replicated)
+        self.heads = draft_heads
         self.state = self._init_state()
         self._programs: dict[tuple, object] = {}
         self._allow_all: dict[int, jax.Array] = {}

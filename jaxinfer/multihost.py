@@ -283,6 +283,14 @@ class LockstepEngine(api.Engine):
     def num_pages(self) -> int:
         return self.engine.num_pages
 
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.engine.max_draft_tokens
+
+    @property
+    def draft_heads_depth(self) -> int:
+        return self.engine.draft_heads_depth
+
     def _broadcast(self, message: dict) -> None:
         if self._closed:
             raise RuntimeError("the lockstep engine is closed")
@@ -301,6 +309,7 @@ class LockstepEngine(api.Engine):
                 "positions": batch.positions.tolist(),
                 "page_table": batch.page_table.tolist(),
                 "token_mask": None if batch.token_mask is None else batch.token_mask.tolist(),
+                "drafts": None if batch.drafts is None else batch.drafts.tolist(),
             }
         )
         return self.engine.decode(batch)
@@ -369,7 +378,8 @@ def follow(engine: api.Engine, cluster: Cluster, *, timeout_s: float = 300.0) ->
                 elif op == "decode":
                     positions = np.asarray(message["positions"], np.int32)
                     page_table = np.asarray(message["page_table"], np.int32)
-                    engine.decode(api.DecodeBatch(positions, page_table, _array(message["token_mask"])))
+                    mask, drafts = _array(message["token_mask"]), _array(message["drafts"])
+                    engine.decode(api.DecodeBatch(positions, page_table, mask, drafts))
                 elif op == "warmup":
                     engine.warmup()
                 else:

@@ -61,6 +61,8 @@ _SAMPLING_RENAMES = {
     "repetition_penalty": "repetition_penalty",
     "ignore_eos": "ignore_eos",
     "stop_token_ids": "stop_token_ids",
+    "speculative": "speculative",  # extensions, as vLLM takes its own: speculative decoding per request
+    "num_draft_tokens": "num_draft_tokens",
 }
 _COMMON_FIELDS = {*_SAMPLING_RENAMES, "model", "max_tokens", "n", "stream", "stream_options", "user"}
 _CHAT_FIELDS = _COMMON_FIELDS | {

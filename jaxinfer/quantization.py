@@ -149,13 +149,18 @@ def add_vnni_weights(params: Params, keep_int8: bool = True) -> Params:
     is a native kernel already, and the tables are most of its bytes (Gemma 3's 262k x 640 embedding)."""
 
     def add(path, name: str, w):
-        if not _is_matrix_int8(w) or w.vnni is not None:
-            return w
-        if supports_vnni(*w.shape):
-            return Int8Weight(w.q if keep_int8 else None, w.scale, _pack_vnni(w.q), w.bf16)
-        return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w)) if w.bf16 is None else w
+        return add_vnni(w, keep_int8) if _is_matrix_int8(w) else w
 
     return map_weights(params, add)
+
+
+def add_vnni(w: Int8Weight, keep_int8: bool = True) -> Int8Weight:
+    """One matrix's forms for the native kernels (add_vnni_weights)."""
+    if w.vnni is not None:
+        return w
+    if supports_vnni(*w.shape):
+        return Int8Weight(w.q if keep_int8 else None, w.scale, _pack_vnni(w.q), w.bf16)
+    return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w)) if w.bf16 is None else w
 
 
 _pack_int4 = jax.jit(pack_int4)

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import math
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -242,10 +243,15 @@ def _load_converted(entry: Path, dtype: str, placement) -> tuple[LoadedModel, To
     return loaded, tokenizer
 
 
+def default_heads_dir(model: str) -> Path:
+    """Where the draft heads of `model` (a registry name or a path) live unless --draft-heads says."""
+    return DEFAULT_DRAFT_HEADS / re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_")
+
+
 def _draft_heads(options: RuntimeOptions, config: ModelConfig) -> DraftHeads | None:
     """The draft heads of --draft-heads, else of the model's default folder when it exists; required
     when the server speculates with heads."""
-    path = Path(options.draft_heads or DEFAULT_DRAFT_HEADS / Path(str(options.model)).name)
+    path = Path(options.draft_heads or default_heads_dir(str(options.model)))
     if not (path / HEADS_FILE).is_file():
         if options.speculation.method is SpeculativeMethod.HEADS:
             raise ValueError(

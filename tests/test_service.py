@@ -146,6 +146,15 @@ INVALID = [
     (dict(prompt="hi", stop_token_ids=[999]), "stop_token_ids"),
     (dict(prompt="hi", stop=[""]), "stop strings must be non-empty"),
     (dict(prompt="\u4e2d"), "cannot encode"),
+    (
+        dict(prompt="hi", sampling=pb.SamplingOptions(speculative="medusa")),
+        "speculative='medusa' must be one of",
+    ),
+    (dict(prompt="hi", sampling=pb.SamplingOptions(speculative="ngram")), "without speculative decoding"),
+    (
+        dict(prompt="hi", sampling=pb.SamplingOptions(num_draft_tokens=9)),
+        "num_draft_tokens=9 must be in [0, 7]",
+    ),
 ]
 
 

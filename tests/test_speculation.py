@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxinfer.config import KernelConfig
+from jaxinfer.cpu_kernels import decode_attention_available
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
@@ -115,7 +117,7 @@ def test_greedy_verification_accepts_the_argmax_chain():
     np.testing.assert_array_equal(np.asarray(tokens), best)
 
 
-def _engine(config, k: int, heads: bool = False, slots: int = 4):
+def _engine(config, k: int, heads: bool = False, slots: int = 4, kernels: KernelConfig | None = None):
     params = random_params(config, seed=5)
     draft_heads = None
     if heads:
@@ -127,6 +129,7 @@ def _engine(config, k: int, heads: bool = False, slots: int = 4):
         paged_cache_config(slots, 96, page_size=8),
         num_draft_tokens=k,
         draft_heads=draft_heads,
+        kernels=kernels,
     )
 
 
@@ -140,9 +143,10 @@ def test_greedy_speculation_gives_the_plain_tokens(config, method):
     prompts = [motif * 4, list(rng.integers(0, config.vocab_size, 11)), motif * 2 + [3, 4]]
     sampling = [SamplingParams(temperature=0, max_tokens=m) for m in (40, 25, 33)]
     tok = IdTokenizer(config.vocab_size)
-    plain = generate(_engine(config, 0), tok, prompts, sampling)
+    engine = _engine(config, 3, heads=method == "heads")  # without `speculation` it decodes plainly
+    plain = generate(engine, tok, prompts, sampling)
     spec = SpeculationConfig(method=method, num_draft_tokens=3, min_accepted=0.0)
-    fast = generate(_engine(config, 3, heads=method == "heads"), tok, prompts, sampling, speculation=spec)
+    fast = generate(engine, tok, prompts, sampling, speculation=spec)
     for a, b in zip(plain, fast):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason
@@ -223,3 +227,22 @@ def test_a_request_cannot_ask_for_what_the_server_lacks():
                  speculation=SpeculationConfig(method="ngram"))  # fmt: skip
     with pytest.raises(RequestError, match="speculative"):
         SamplingParams(speculative="medusa").validate()
+
+
+@pytest.mark.skipif(not decode_attention_available(), reason="the CPU lacks AVX2 or a compiler")
+def test_greedy_speculation_with_the_native_kernels():
+    """The native CPU path: each verified token attends as a decode row of its own, and the heads run
+    in int8 through the VNNI kernel; greedy output is still the plain output."""
+    native = KernelConfig(attention="native", matmul="native")
+    rng = np.random.default_rng(3)
+    motif = list(rng.integers(0, LLAMA.vocab_size, 5))
+    prompts = [motif * 5, motif * 2 + [7]]
+    sampling = [SamplingParams(temperature=0, max_tokens=m) for m in (36, 29)]
+    tok = IdTokenizer(LLAMA.vocab_size)
+    engine = _engine(LLAMA, 4, heads=True, kernels=native)
+    plain = generate(engine, tok, prompts, sampling)
+    for method in ("ngram", "heads"):
+        spec = SpeculationConfig(method=method, num_draft_tokens=4, min_accepted=0.0)
+        fast = generate(engine, tok, prompts, sampling, speculation=spec)
+        assert [c.token_ids for c in fast] == [c.token_ids for c in plain], method
+        assert sum(c.num_draft_tokens for c in fast) > 0

@@ -226,7 +226,8 @@ void Rows(const Problem& p, int64_t nb0) {
 
 void Columns(const Problem& p, int64_t nb_begin, int64_t nb_end) {
   int64_t nb = nb_begin;
-  if (p.m < kRows)
+  // Up to two rows: four output blocks per tile; three rows of four blocks would not fit the registers.
+  if (p.m <= 2)
     for (; nb + kBlocksFewRows <= nb_end; nb += kBlocksFewRows) Rows<kBlocksFewRows>(p, nb);
   for (; nb + kBlocks <= nb_end; nb += kBlocks) Rows<kBlocks>(p, nb);
   for (; nb < nb_end; ++nb) Rows<1>(p, nb);

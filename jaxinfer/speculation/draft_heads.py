@@ -5,7 +5,7 @@ the step's last output token `x` (the state the target sampled `x` from). Draft 
 from one residual block per depth over the running state and the token before it:
 
     z_0 = h,   t_1 = x
-    z_i = z_{i-1} + silu([z_{i-1}, e(t_i)] @ w[i] + b[i])    e(t): the target's embedding of t at unit RMS
+    z_i = z_{i-1} + silu([z_{i-1}, e(t_i)] @ w[i].T + b[i])  e(t): the target's embedding of t at unit RMS
     t_{i+1} = vocab[argmax(rms_norm(z_i, norm) @ out.T)]      the draft for the position after t_i
 
 Each head conditions on the tokens drafted before it (as Hydra and ReDrafter heads do; Medusa heads
@@ -27,9 +27,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import KernelConfig, ModelConfig
+from jaxinfer.kernel_dispatch import linear
 from jaxinfer.models.params import Params
-from jaxinfer.models.transformer import embed_tokens, rms_norm
+from jaxinfer.models.transformer import XLA_KERNELS, embed_tokens, rms_norm
+from jaxinfer.quantization import add_vnni
+from jaxinfer.weight_formats import quantize_int8
 
 HEADS_FILE = "draft_heads.json"
 FORMAT = "jaxinfer-draft-heads"
@@ -40,7 +43,7 @@ FORMAT = "jaxinfer-draft-heads"
 class DraftHeads:
     """The heads' weights (float32); `depth` drafts at most."""
 
-    w: jax.Array  # [depth, 2 * hidden, hidden]
+    w: jax.Array | tuple  # [depth, hidden, 2 * hidden] (out, in); served: a weight per depth (for_serving)
     b: jax.Array  # [depth, hidden]
     norm: jax.Array  # [hidden]
     out: jax.Array  # [draft_vocab, hidden]
@@ -48,17 +51,17 @@ class DraftHeads:
 
     @property
     def depth(self) -> int:
-        return self.w.shape[0]
+        return self.b.shape[0]
 
     @property
     def hidden_size(self) -> int:
-        return self.w.shape[2]
+        return self.b.shape[1]
 
 
 def init_heads(key: jax.Array, hidden_size: int, depth: int, vocab: jax.Array, out: jax.Array) -> DraftHeads:
     """Fresh heads: small block weights (each block starts near the identity), the output layer from
     `out` [draft_vocab, hidden] (the target's output rows of the draft vocabulary)."""
-    w = jax.random.normal(key, (depth, 2 * hidden_size, hidden_size), jnp.float32)
+    w = jax.random.normal(key, (depth, hidden_size, 2 * hidden_size), jnp.float32)
     return DraftHeads(
         w=w * (0.1 / jnp.sqrt(2.0 * hidden_size)),
         b=jnp.zeros((depth, hidden_size), jnp.float32),
@@ -80,11 +83,23 @@ def token_features(params: Params, config: ModelConfig, tokens: jax.Array) -> ja
     return unit_rms(e).reshape(*tokens.shape, -1)
 
 
-def head_step(heads: DraftHeads, i: int, z: jax.Array, e: jax.Array) -> tuple[jax.Array, jax.Array]:
+def head_step(
+    heads: DraftHeads, i: int, z: jax.Array, e: jax.Array, kernels: KernelConfig = XLA_KERNELS
+) -> tuple[jax.Array, jax.Array]:
     """One block: state z [..., hidden] and the token features e [..., hidden] -> (the next state,
     its draft-vocabulary logits [..., draft_vocab])."""
-    z = z + jax.nn.silu(jnp.concatenate([z, e], axis=-1) @ heads.w[i] + heads.b[i])
-    return z, rms_norm(z, heads.norm, 1e-6) @ heads.out.T
+    z = z + jax.nn.silu(linear(jnp.concatenate([z, e], axis=-1), heads.w[i], kernels) + heads.b[i])
+    return z, linear(rms_norm(z, heads.norm, 1e-6), heads.out, kernels)
+
+
+def for_serving(heads: DraftHeads, kernels: KernelConfig) -> DraftHeads:
+    """The heads as a decode step reads them: with the native CPU kernels, int8 blocks and output layer
+    in the VNNI kernel's layout. A step runs the heads at one row per request, where reading ~10 MB of
+    float32 weights three times would cost a third of a SmolLM2 step; int8 reads a quarter of that."""
+    if kernels.matmul != "native":
+        return heads
+    blocks = tuple(add_vnni(quantize_int8(heads.w[i]), keep_int8=False) for i in range(heads.depth))
+    return dataclasses.replace(heads, w=blocks, out=add_vnni(quantize_int8(heads.out), keep_int8=False))
 
 
 def propose(
@@ -94,11 +109,12 @@ def propose(
     hidden: jax.Array,  # [rows, hidden]: the target's final-normed state at each row's last token
     token: jax.Array,  # [rows] int32: each row's last output token
     num_drafts: int,
+    kernels: KernelConfig = XLA_KERNELS,
 ) -> jax.Array:
     """Greedy drafts [rows, num_drafts] int32 for the positions after `token`."""
     z, drafts = hidden.astype(jnp.float32), []
     for i in range(num_drafts):
-        z, logits = head_step(heads, i, z, token_features(params, config, token))
+        z, logits = head_step(heads, i, z, token_features(params, config, token), kernels)
         token = heads.vocab[jnp.argmax(logits, axis=-1)]
         drafts.append(token)
     return jnp.stack(drafts, axis=-1).astype(jnp.int32)
@@ -149,7 +165,7 @@ def load_heads(directory: str | Path, config: ModelConfig) -> tuple[DraftHeads, 
         )
     h, d, v = record["hidden_size"], record["depth"], record["draft_vocab"]
     target = DraftHeads(
-        w=jax.ShapeDtypeStruct((d, 2 * h, h), jnp.float32),
+        w=jax.ShapeDtypeStruct((d, h, 2 * h), jnp.float32),
         b=jax.ShapeDtypeStruct((d, h), jnp.float32),
         norm=jax.ShapeDtypeStruct((h,), jnp.float32),
         out=jax.ShapeDtypeStruct((v, h), jnp.float32),

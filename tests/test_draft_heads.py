@@ -1,0 +1,182 @@
+"""Draft heads (speculation/draft_heads.py) and their training (speculation/training.py) on a tiny random
+model: training learns a deterministic pattern, propose matches the teacher-forced unroll, checkpoints
+round-trip, batched hidden states equal single-sequence ones, output rows match the output layer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import contiguous_page_table, init_cache
+from jaxinfer.models.params import random_params
+from jaxinfer.models.transformer import forward_hidden
+from jaxinfer.quantization import quantize_params
+from jaxinfer.sharding import make_mesh
+from jaxinfer.speculation.draft_heads import (
+    init_heads,
+    load_heads,
+    propose,
+    save_heads,
+    token_features,
+    unroll_logits,
+)
+from jaxinfer.speculation.training import (
+    draft_vocabulary,
+    hidden_states,
+    output_rows,
+    train_heads,
+    training_examples,
+)
+from jaxinfer.testing import paged_cache_config
+from jaxinfer.weight_formats import Int8Weight
+
+TINY = ModelConfig(
+    arch="llama", vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=True,
+)  # fmt: skip
+UNTIED = dataclasses.replace(TINY, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(TINY, seed=1)
+
+
+def _pattern_corpus(count: int, seed: int) -> tuple[list[list[int]], list[int], np.ndarray]:
+    """Sequences of a random 4-token "prompt", then a response where each token is f(previous), f a fixed
+    permutation of 24 tokens (so depth-0 drafts are predictable from the input token alone)."""
+    rng = np.random.default_rng(seed)
+    alphabet = rng.permutation(TINY.vocab_size)[:24]
+    f = dict(zip(alphabet, rng.permutation(alphabet)))
+    sequences, first = [], []
+    for _ in range(count):
+        prompt = list(rng.integers(0, TINY.vocab_size, size=4))
+        x = [int(rng.choice(alphabet))]
+        for _ in range(int(rng.integers(20, 40))):
+            x.append(int(f[x[-1]]))
+        sequences.append([int(t) for t in prompt] + x)
+        first.append(4)
+    return sequences, first, alphabet
+
+
+def test_training_learns_a_deterministic_pattern(params):
+    sequences, first, alphabet = _pattern_corpus(60, seed=0)
+    heads, metrics = train_heads(
+        params, TINY, sequences, first, depth=2, draft_vocab=32, steps=250, batch_size=64,
+        learning_rate=1e-2, seed=0, holdout_fraction=0.2,
+    )  # fmt: skip
+    hold = metrics["holdout"]
+    assert metrics["examples"]["holdout"] > 50 and hold["examples"] == metrics["examples"]["holdout"]
+    # The draft vocabulary starts with the pattern's 24 tokens; every target is inside it.
+    assert set(np.asarray(heads.vocab[:24]).tolist()) == set(alphabet.tolist())
+    assert hold["in_draft_vocab"] == 1.0
+    chance = 1 / 24
+    assert hold["accuracy"][0] > 0.8 > 10 * chance, hold
+    assert metrics["loss_end"] < 0.2 * metrics["loss_start"]
+    # The same split untrained: the accuracy is training's.
+    _, untrained = train_heads(
+        params, TINY, sequences, first, depth=2, draft_vocab=32, steps=0, seed=0, holdout_fraction=0.2
+    )
+    assert untrained["examples"] == metrics["examples"] and untrained["holdout"]["accuracy"][0] < 0.3
+    # Accepted drafts per step: sum over depths of the chain product, so between acc[0] and the sum.
+    assert hold["accuracy"][0] - 1e-6 <= hold["accepted_per_step"] <= sum(hold["accuracy"]) + 1e-6
+
+
+def test_draft_vocabulary_orders_by_frequency():
+    vocab = draft_vocabulary([[5, 5, 3, 9], [3, 5, 9, 9, 9]], vocab_size=12, size=5)
+    assert vocab.dtype == np.int32
+    assert vocab.tolist() == [9, 5, 3, 0, 1]  # 9 x4, 5 x3, 3 x2, then unseen ids by id
+
+
+def test_training_examples_windows_and_mask():
+    seq = [10, 11, 12, 13, 14, 15, 16]  # response from index 3 on
+    hidden = [np.arange(7, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)]
+    vocab = np.asarray([14, 13, 16], np.int32)  # 15 is outside the draft vocabulary
+    ex = training_examples([seq], hidden, [3], depth=2, vocab=vocab)
+    # t from 2 (first - 1) while t + 3 < 7: t = 2, 3
+    assert ex.hidden[:, 0].tolist() == [2.0, 3.0]
+    assert ex.inputs.tolist() == [[13, 14], [14, 15]]
+    assert ex.targets.tolist() == [[0, -1], [-1, 2]]  # 14 -> 0, 15 -> -1, 16 -> 2
+
+
+def test_propose_agrees_with_unroll_logits(params):
+    vocab = jnp.asarray(np.random.default_rng(2).permutation(TINY.vocab_size)[:40], jnp.int32)
+    heads = init_heads(jax.random.key(3), TINY.hidden_size, 3, vocab, output_rows(params, TINY, vocab))
+    # Large random block weights so each depth's drafts differ from a plain copy of the state's guess.
+    heads = dataclasses.replace(heads, w=jax.random.normal(jax.random.key(4), heads.w.shape) * 0.3)
+    rows = 16
+    hidden = jax.random.normal(jax.random.key(5), (rows, TINY.hidden_size))
+    token = jnp.asarray(np.random.default_rng(6).integers(0, TINY.vocab_size, rows), jnp.int32)
+    drafts = propose(heads, params, TINY, hidden, token, 3)
+    assert drafts.shape == (rows, 3) and drafts.dtype == jnp.int32
+    assert len(np.unique(np.asarray(drafts))) > 3  # not one constant draft
+    teacher = jnp.concatenate([token[:, None], drafts[:, :-1]], axis=1)  # inputs x[t+1 .. t+depth]
+    logits = unroll_logits(heads, hidden, token_features(params, TINY, teacher))
+    np.testing.assert_array_equal(np.asarray(heads.vocab[jnp.argmax(logits, -1)]), np.asarray(drafts))
+
+
+def test_save_and_load_round_trip(tmp_path, params):
+    vocab = jnp.arange(10, 30, dtype=jnp.int32)
+    heads = init_heads(jax.random.key(0), TINY.hidden_size, 2, vocab, output_rows(params, TINY, vocab))
+    heads = dataclasses.replace(heads, b=jax.random.normal(jax.random.key(1), heads.b.shape))
+    save_heads(tmp_path / "heads", heads, {"model": "tiny", "vocab_size": TINY.vocab_size, "examples": 7})
+    loaded, info = load_heads(tmp_path / "heads", TINY)
+    for name in ("w", "b", "norm", "out", "vocab"):
+        a, b = getattr(heads, name), getattr(loaded, name)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert info["examples"] == 7 and info["depth"] == 2 and info["draft_vocab"] == 20
+    with pytest.raises(ValueError, match="hidden size"):
+        load_heads(tmp_path / "heads", dataclasses.replace(TINY, hidden_size=128))
+    with pytest.raises(ValueError):
+        load_heads(tmp_path / "heads", dataclasses.replace(TINY, vocab_size=98))
+    with pytest.raises(ValueError, match="no draft heads"):
+        load_heads(tmp_path / "elsewhere", TINY)
+
+
+_forward_hidden = jax.jit(forward_hidden, static_argnames=("config",))
+
+
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+def test_hidden_states_batched_equal_single(params, cache_dtype):
+    rng = np.random.default_rng(7)
+    lengths = [5, 64, 65, 17, 1, 150, 70]  # three length buckets, partly filled batches
+    sequences = [list(rng.integers(0, TINY.vocab_size, n)) for n in lengths]
+    got = hidden_states(params, TINY, sequences, cache_dtype=cache_dtype, tokens_per_batch=256)
+    assert [g.shape for g in got] == [(n, TINY.hidden_size) for n in lengths]
+    # The reference: each sequence alone in a row of its own, followed by a tail of zero tokens at real
+    # positions (causal attention: nothing after a position changes it), one compiled shape.
+    width = 160
+    cache = init_cache(TINY, paged_cache_config(1, width, page_size=16, dtype=cache_dtype), make_mesh())
+    for seq, g in zip(sequences, got):
+        tokens = jnp.zeros((1, width), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq, jnp.int32))
+        x, cache = _forward_hidden(
+            params, TINY, tokens, jnp.arange(width, dtype=jnp.int32)[None], cache,
+            jnp.asarray(contiguous_page_table(1, width // 16)),
+        )  # fmt: skip
+        assert g.dtype == np.float32
+        # A bfloat16 cache rounds K/V: a last-bit difference of the batched products can flip a rounding.
+        tol = 1e-5 if cache_dtype == "float32" else 1e-3
+        np.testing.assert_allclose(g, np.asarray(x[0, : len(seq)], np.float32), atol=tol, rtol=tol)
+
+
+def test_output_rows_float_and_int8():
+    ids = np.asarray([3, 0, 96, 41], np.int32)
+    for config in (TINY, UNTIED):
+        params = random_params(config, seed=2)
+        head = params["embed"] if config.tie_word_embeddings else params["lm_head"]
+        expected = np.asarray(head)[ids]
+        np.testing.assert_array_equal(np.asarray(output_rows(params, config, ids)), expected)
+        quantized = quantize_params(random_params(config, seed=2), "int8")
+        q_head = quantized["embed"] if config.tie_word_embeddings else quantized["lm_head"]
+        assert isinstance(q_head, Int8Weight)
+        rows = np.asarray(output_rows(quantized, config, ids))
+        assert rows.shape == expected.shape and rows.dtype == np.float32
+        half_step = np.asarray(q_head.scale)[ids][:, None] / 2
+        assert np.all(np.abs(rows - expected) <= half_step * 1.001 + 1e-7)
+        assert not np.array_equal(rows, expected)  # really the quantised values

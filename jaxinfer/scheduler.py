@@ -150,6 +150,7 @@ class SequenceState:
     num_accepted: int = 0
     accept_average: float = 0.0
     speculation_paused: int = 0
+    next_pause: int = 0  # the length of the next pause: doubles while drafting keeps failing
 
     @property
     def is_live(self) -> bool:
@@ -616,8 +617,13 @@ class Scheduler:
         config = self.speculation
         seq.accept_average = 0.7 * seq.accept_average + 0.3 * accepted
         if seq.accept_average < config.min_accepted and seq.num_drafted >= 4 * config.num_draft_tokens:
-            seq.speculation_paused = config.pause_steps
+            # Paused, then tried again; a request whose drafts fail every time it tries waits twice as
+            # long each time (every verification step costs every row of the batch the wider step).
+            seq.speculation_paused = seq.next_pause or config.pause_steps
+            seq.next_pause = min(2 * seq.speculation_paused, 16 * config.pause_steps)
             seq.accept_average = config.min_accepted  # a fresh start when it resumes
+        elif accepted >= config.min_accepted:
+            seq.next_pause = 0
         keep = self._pages_for(seq.num_computed + 1)
         if len(seq.page_ids) > keep:
             self.pool.free(seq.page_ids[keep:][::-1])
@@ -789,12 +795,8 @@ class Scheduler:
                 entry = news.setdefault(seq.request_id, _News(seq))
                 reason = None
                 for j in range(count):
-                    reason = self._credit(seq, entry, result, slot, j, defer_text)
-                    if reason is None and j == count - 1 and bool(result.done[slot]):
-                        device_reason = int(result.reason[slot])
-                        if device_reason not in (FINISH_STOP, FINISH_LENGTH):
-                            raise ValueError(f"slot {slot} done with unknown reason code {device_reason}")
-                        reason = FinishReason.STOP if device_reason == FINISH_STOP else FinishReason.LENGTH
+                    ended = _device_reason(result, slot) if j == count - 1 else None
+                    reason = self._credit(seq, entry, result, slot, j, defer_text, ended)
                     if reason is not None:
                         break
                 if reason is not None and defer_text and seq.text is not None:
@@ -821,10 +823,18 @@ class Scheduler:
         return finished + running
 
     def _credit(
-        self, seq: SequenceState, entry: _News, result: StepOutput, slot: int, j: int, defer_text: bool
+        self,
+        seq: SequenceState,
+        entry: _News,
+        result: StepOutput,
+        slot: int,
+        j: int,
+        defer_text: bool,
+        ended: FinishReason | None,
     ) -> FinishReason | None:
-        """Appends the slot's j-th token of the step to `seq`; the reason it ends the request, if it does
-        (a stop string, the grammar's end, or the host-side backstops of what the device checks)."""
+        """Appends the slot's j-th token of the step to `seq`; the reason it ends the request, if it does:
+        a stop string, else `ended` (the device ended it there), the grammar's end, or the host-side
+        backstops of what the device checks."""
         token = int(result.tokens[slot, j])
         seq.output_token_ids.append(token)
         entry.tokens.append(token)
@@ -835,11 +845,13 @@ class Scheduler:
         reason = None
         if seq.text is not None and not defer_text:
             reason = entry.add_text(token)
+        reason = reason or ended
         if seq.matcher is not None and reason is None:
             if not seq.matcher.accept(token):  # the device applied its mask: a bug if reached
                 raise RuntimeError(f"{seq.request_id}: token {token} broke its grammar")
             if seq.matcher.is_stopped:  # complete; only end-of-sequence could follow
                 reason = FinishReason.STOP
+        # Host-side backstops: the device should have flagged these as done.
         if reason is None and token in seq.sampling.stop_token_ids:
             reason = FinishReason.STOP
         if reason is None and len(seq.output_token_ids) >= seq.sampling.max_tokens:
@@ -889,6 +901,16 @@ class Scheduler:
             raise RuntimeError(
                 f"scheduler invariant: the pool holds {self.pool.num_used} pages, requests {held}"
             )
+
+
+def _device_reason(result: StepOutput, slot: int) -> FinishReason | None:
+    """Why the device ended the slot's request at its last token of the step, if it did."""
+    if not bool(result.done[slot]):
+        return None
+    code = int(result.reason[slot])
+    if code not in (FINISH_STOP, FINISH_LENGTH):
+        raise ValueError(f"slot {slot} done with unknown reason code {code}")
+    return FinishReason.STOP if code == FINISH_STOP else FinishReason.LENGTH
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,10 +85,21 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--chat-prompts", type=int, default=4, help="one-stream chat prompts, run one at a time")
     ap.add_argument("--draft-heads", default=None)
+    ap.add_argument(
+        "--crossover", type=int, nargs="*", default=None,
+        help="instead: code edits at these stream counts with speculation forced on (max_rows = streams), "
+        "to find where verifying drafts stops paying (SpeculationConfig.max_rows)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--min-accepted", type=float, default=SpeculationConfig.min_accepted,
+        help="the adaptive pause's threshold (0: never pause, the drafters' raw effect)",
+    )  # fmt: skip
     args = ap.parse_args()
 
-    print(f"CPU: {cpu_description()}")
-    config = SpeculationConfig(method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens)
+    print(cpu_description())
+    config = SpeculationConfig(
+        method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens, min_accepted=args.min_accepted
+    )
     options = RuntimeOptions(
         model=args.model, quantize=args.quantize, num_slots=args.streams, speculation=config,
         draft_heads=args.draft_heads,
@@ -103,6 +114,12 @@ def main() -> None:
     def chat(text: str) -> list[int]:
         return tok.encode_chat([{"role": "user", "content": text}])
 
+    if args.crossover:
+        for n in args.crossover:
+            forced = dataclasses.replace(config, max_rows=n)
+            compare(runtime, f"code edit, {n} streams, ngram", [chat(CODE_EDIT_PROMPT)] * n, sampling, forced,
+                    args.repeats)  # fmt: skip
+        return
     rows = [compare(runtime, "code edit, 1 stream, ngram", [chat(CODE_EDIT_PROMPT)], sampling, config,
                     args.repeats)]  # fmt: skip
     methods = [SpeculativeMethod.NGRAM]

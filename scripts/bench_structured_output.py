@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
-    print(f"CPU: {cpu_description()}")
+    print(cpu_description())
     runtime = build_runtime(RuntimeOptions(model=args.model, num_slots=args.streams, max_len=512))
     tok = runtime.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": f"{PROMPT} ({i})"}]) for i in range(args.streams)]

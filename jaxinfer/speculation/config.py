@@ -20,8 +20,9 @@ class SpeculationConfig:
         bound by reading the weights, so verifying k + 1 positions per request costs about k + 1
         times a plain step and drafts stop paying (measured per backend: docs/benchmarks.md).
     min_accepted: a request whose recent verification steps accept fewer drafts per step than this
-        (an exponential average) stops drafting for `pause_steps` decode steps, then tries again: a
-        step that verifies drafts costs more than a plain one, so drafts that keep failing slow it.
+        (an exponential average) stops drafting for `pause_steps` decode steps, then tries again (each
+        failed retry doubles the pause, up to 16x): a step that verifies drafts costs more than a plain
+        one, for every request in it, so drafts that keep failing slow the batch down.
     ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
     """
 

@@ -44,7 +44,6 @@ from jaxinfer.structured_output import ALLOW_ALL, allow_all, mask_words
 log = logging.getLogger(__name__)
 
 MAX_STOP_IDS = 16  # stop token ids per request checked on device (eos ids included)
-MAX_SPECULATIVE_ROWS = 8  # verification steps run for up to this many rows (the row buckets up to it)
 
 
 @jax.tree_util.register_dataclass
@@ -77,13 +76,8 @@ def _finish(
     return hit_stop | too_long, reason.astype(jnp.int32)
 
 
-def packed_width(t: int, depth: int) -> int:
-    """Columns of a step's packed result: up to t tokens per slot, `depth` head drafts."""
-    return 3 + t * (2 + 2 * MAX_TOP_LOGPROBS) + depth
-
-
 def _pack(tokens, num_tokens, done, reason, logprobs, drafts) -> jax.Array:
-    """One [n, packed_width] int32 array per step (copying one array to the host beats several):
+    """One [n, width] int32 array per step (copying one array to the host beats several):
     num_tokens, done, reason, the tokens [T], their log-probabilities [T], the top ids [T, K] and their
     log-probabilities [T, K] (floats as their int32 bits), the head drafts [depth].
 
@@ -540,11 +534,9 @@ class JaxEngine(api.Engine):
         return pages * self.page_size
 
     def _verify_rows(self) -> tuple[int, ...]:
-        """Row buckets of verification steps: speculation pays only while a step is bound by reading
-        the weights, so it runs up to MAX_SPECULATIVE_ROWS rows (scheduler: the adaptive switch)."""
-        if not self._num_draft_tokens:
-            return ()
-        return tuple(r for r in self._row_buckets if r <= MAX_SPECULATIVE_ROWS) or self._row_buckets[:1]
+        """Row buckets of verification steps: all of them, since a row bucket covers slot indices, not a
+        count of requests (two requests in slots 0 and 5 decode in the bucket of 8)."""
+        return self._row_buckets if self._num_draft_tokens else ()
 
     def _bucket(self, buckets: tuple[int, ...], n: int) -> int:
         for b in buckets:

@@ -8,6 +8,11 @@ Programs, all compiled ahead of time and kept in a table keyed by their static s
                  listed slot), attending over N pages per row, the smallest page bucket that holds the
                  longest row. Kernels that read each row to its own length (native, Pallas) need
                  one page bucket: the whole page table.
+  verify(N, R):  speculative decoding (num_draft_tokens = k > 0): each of the first R slots runs its
+                 last token and up to k drafts as k + 1 positions, keeps the drafts the model agrees
+                 with and adds one token of its own (1 to k + 1 tokens per slot). A decode step is the
+                 same function with no drafts.
+With draft heads, prefill and verify programs also propose each slot's next drafts.
 Nothing else is traced while serving: `warmup()` compiles every bucket, and `compile_count` tells a test
 whether anything compiled later. With JAX's persistent compilation cache on, a second start reuses them.
 
@@ -61,19 +66,26 @@ class DecodeState:
     counts: jax.Array  # int32 [slots, vocab]: occurrences in the prompt and output, for penalties
 
 
-def _finish(
+def _first_end(
     stop_ids: jax.Array,  # [n, MAX_STOP_IDS]
     max_tokens: jax.Array,  # [n]
-    token: jax.Array,  # [n], newly sampled
-    generated: jax.Array,  # [n], output tokens including `token`
-    lengths: jax.Array,  # [n], tokens in the cache
+    tokens: jax.Array,  # [n, T]: each row's new tokens, in order
+    count: jax.Array,  # [n]: how many of them are real
+    generated: jax.Array,  # [n]: output tokens before them
+    length: jax.Array,  # [n]: tokens in the cache once the first of them is written
     max_len: int,
-):
-    """Done flags and reasons for newly sampled tokens."""
-    hit_stop = jnp.any(stop_ids == token[:, None], axis=-1)
-    too_long = (generated >= max_tokens) | (lengths >= max_len)
-    reason = jnp.where(hit_stop, api.FINISH_STOP, jnp.where(too_long, api.FINISH_LENGTH, api.FINISH_NONE))
-    return hit_stop | too_long, reason.astype(jnp.int32)
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Where each row's request ends among its new tokens: at a stop id, at max_tokens or at the
+    context's end. Returns (done [n], the index of the ending token [n], its FINISH_* reason [n])."""
+    index = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+    hit_stop = jnp.any(stop_ids[:, None, :] == tokens[:, :, None], axis=-1)
+    too_long = (generated[:, None] + index + 1 >= max_tokens[:, None]) | (length[:, None] + index >= max_len)
+    ends = (hit_stop | too_long) & (index < count[:, None])
+    first = jnp.argmax(ends, axis=1)
+    done = jnp.any(ends, axis=1)
+    stop = jnp.take_along_axis(hit_stop, first[:, None], axis=1)[:, 0]
+    reason = jnp.where(done, jnp.where(stop, api.FINISH_STOP, api.FINISH_LENGTH), api.FINISH_NONE)
+    return done, first, reason.astype(jnp.int32)
 
 
 def _pack(tokens, num_tokens, done, reason, logprobs, drafts) -> jax.Array:
@@ -140,7 +152,10 @@ def _prefill_step(
     logprobs = _step_logprobs(logits, token[:, None], settings, 1)
     length = start + true_len
     generated = num_generated + 1
-    done, reason = _finish(stop_ids, max_tokens, token, generated[None], length[None], max_len)
+    one = jnp.ones(1, jnp.int32)
+    done, _, reason = _first_end(
+        stop_ids, max_tokens, token[:, None], one, num_generated[None], length[None], max_len
+    )
 
     def put(field, value):
         return field.at[slot].set(value)
@@ -175,37 +190,13 @@ def _decode_step(
     max_len: int,
 ) -> tuple[DecodeState, jax.Array]:
     """One token for each of the first R slots (every listed slot lies below R: the scheduler fills
-    the lowest free slot first). A decode step costs every row it computes, so at low load a smaller
-    row bucket is several times faster on CPU."""
-    n, num_slots = positions.shape[0], state.tokens.shape[0]
-    rows = jnp.arange(n, dtype=jnp.int32)
-    active = state.active[:n] & (positions >= 0)
-    positions = jnp.where(active, positions, -1)
-    hidden, cache = forward_hidden(
-        params, config, state.tokens[:n, None], positions[:, None], state.cache, page_table, kernels=kernels
-    )
-    logits = output_logits(params, config, hidden[:, 0], kernels)
-    sampling = jax.tree.map(lambda a: a[:n], state.sampling)
-    counts = state.counts[:n]
-    token = sample(logits, counts, sampling, state.generated[:n], mask)
-    logprobs = _step_logprobs(logits, token[:, None], sampling, 1)
-    generated = state.generated[:n] + 1
-    done, reason = _finish(state.stop_ids[:n], state.max_tokens[:n], token, generated, positions + 1, max_len)
-    done &= active
-
-    def put(field: jax.Array, values: jax.Array) -> jax.Array:
-        return field.at[:n].set(values)
-
-    state = dataclasses.replace(
-        state,
-        cache=cache,
-        tokens=put(state.tokens, jnp.where(active, token, state.tokens[:n])),
-        generated=put(state.generated, jnp.where(active, generated, state.generated[:n])),
-        active=put(state.active, state.active[:n] & ~done),
-        counts=put(state.counts, counts.at[rows, token].add(active.astype(jnp.int32))),
-    )
-    packed = _pack(token[:, None], active.astype(jnp.int32), done, reason, logprobs, None)
-    return state, _all_slots(packed, num_slots)
+    the lowest free slot first; a decode step costs every row it computes, so at low load a smaller
+    row bucket is several times faster on CPU): a verification step with no drafts, and no heads."""
+    no_drafts = jnp.zeros((positions.shape[0], 0), jnp.int32)
+    return _verify_step(
+        params, state, None, positions, no_drafts, page_table, mask, config=config, kernels=kernels,
+        max_len=max_len,
+    )  # fmt: skip
 
 
 def _all_slots(packed: jax.Array, num_slots: int) -> jax.Array:
@@ -253,24 +244,16 @@ def _verify_step(
     drafts = jnp.where(fed[:, 1:], drafts, -1)
     tokens, accepted = verify_drafts(logits, drafts, counts, sampling, generated, mask)
 
-    # The request may end inside the accepted run: at a stop id, max_tokens or the context end.
-    out_index = offsets[None]  # [1, t]: output j is the row's (generated + j + 1)-th token
-    hit_stop = jnp.any(state.stop_ids[:n, None, :] == tokens[:, :, None], axis=-1)
-    too_long = (generated[:, None] + out_index + 1 >= state.max_tokens[:n, None]) | (
-        positions[:, None] + out_index + 1 >= max_len
+    # The request may end inside the accepted run.
+    done, first_end, reason = _first_end(
+        state.stop_ids[:n], state.max_tokens[:n], tokens, accepted + 1, generated, positions + 1, max_len
     )
-    ends = (hit_stop | too_long) & (out_index <= accepted[:, None])
-    first_end = jnp.argmax(ends, axis=1)
-    done = jnp.any(ends, axis=1) & active
+    done &= active
     num_tokens = jnp.where(done, first_end + 1, accepted + 1) * active
-    reason = jnp.where(
-        done,
-        jnp.where(hit_stop[rows, first_end], api.FINISH_STOP, api.FINISH_LENGTH),
-        api.FINISH_NONE,
-    ).astype(jnp.int32)
+    reason = jnp.where(done, reason, api.FINISH_NONE)
     last = jnp.maximum(num_tokens - 1, 0)
     last_token = tokens[rows, last]
-    emitted = (out_index < num_tokens[:, None]).astype(jnp.int32)  # [n, t]
+    emitted = (offsets[None] < num_tokens[:, None]).astype(jnp.int32)  # [n, t]
 
     def put(field: jax.Array, values: jax.Array) -> jax.Array:
         return field.at[:n].set(values)

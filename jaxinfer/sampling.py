@@ -281,6 +281,8 @@ def verify_drafts(
     flat_steps = (steps[:, None] + jnp.arange(t, dtype=steps.dtype)).reshape(-1)
 
     def sampled() -> tuple[jax.Array, jax.Array]:
+        if t == 1:  # nothing to verify (a plain decode step): a plain draw
+            return _filtered_sample(flat, s_rows, flat_steps).reshape(n, t), jnp.zeros((n, t), bool)
         draws = _filtered_sample(flat, s_rows, flat_steps, exclude=flat_targets).reshape(n, t)
         p = filtered_probability(flat, s_rows, flat_targets).reshape(n, t)
         # The acceptance draw's stream is independent of the Gumbel noise of the same position.

@@ -218,16 +218,11 @@ def sample(
     logits: [slots, vocab] float32; counts: [slots, vocab] int32 (apply_penalties); steps: [slots]
     int32, the index of the token being sampled within its request (for the per-request random
     stream); mask: [slots, ceil(vocab / 32)] int32 (apply_token_mask). Returns [slots] int32.
+    A verification with no drafts (verify_drafts): penalties, the mask, then greedy or a filtered draw;
+    when every slot is greedy (the common serving case) the top-k and the noise are skipped entirely.
     """
-    logits = apply_token_mask(apply_penalties(logits, counts, s), mask)
-    greedy = greedy_tokens(logits)
-    # When every slot is greedy (the common serving case) skip the top-k and the noise entirely.
-    sampled = jax.lax.cond(
-        jnp.any(s.temperature > 0),
-        lambda: _filtered_sample(logits, s, steps),
-        lambda: greedy,
-    )
-    return jnp.where(s.temperature > 0, sampled, greedy)
+    no_drafts = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return verify_drafts(logits[:, None], no_drafts, counts, s, steps, mask)[0][:, 0]
 
 
 def split_seed(seed: int) -> tuple[int, int]:
@@ -246,9 +241,10 @@ def verify_drafts(
     """Speculative verification: which drafted tokens each slot keeps, and the token after them.
 
     logits: [slots, T, vocab] float32, the target's logits after each of the T = k + 1 inputs (the
-    last token, then the k drafts); drafts: [slots, k] int32, -1 past a slot's drafts; counts, s, mask:
-    as for `sample` (the mask binds the first position only: constrained slots draft nothing); steps:
-    [slots], the index of the first token sampled here within its request.
+    last token, then the k drafts); drafts: [slots, k] int32, -1 past a slot's drafts; counts:
+    [slots, vocab] int32 (apply_penalties); mask: [slots, ceil(vocab / 32)] int32 (apply_token_mask),
+    binding the first position only (constrained slots draft nothing); steps: [slots], the index of
+    the first token sampled here within its request (the per-request random stream).
 
     Position i accepts draft i when the target agrees: greedy slots when it is the argmax, sampled slots
     with probability p_i(draft) under the filtered distribution (rejection sampling against a one-token

@@ -538,15 +538,16 @@ class Scheduler:
             self.prefix_hit_tokens += seq.num_computed
         return True
 
-    def _grow(self, seq: SequenceState) -> bool:
-        """Makes sure `seq` has a page for position num_computed; False if the pool is empty."""
-        if seq.num_computed < len(seq.page_ids) * self.page_size:
-            return True
-        page = self.pool.allocate(1)
-        if page is None:
-            return False
-        self._page_table[seq.slot, len(seq.page_ids)] = page[0]
-        seq.page_ids.extend(page)
+    def _grow(self, seq: SequenceState, position: int | None = None) -> bool:
+        """Makes sure `seq` has pages up to `position` (default: num_computed, its next input), taking
+        them from the pool one at a time; False if the pool ran out first."""
+        position = seq.num_computed if position is None else position
+        while position >= len(seq.page_ids) * self.page_size:
+            page = self.pool.allocate(1)
+            if page is None:
+                return False
+            self._page_table[seq.slot, len(seq.page_ids)] = page[0]
+            seq.page_ids.extend(page)
         return True
 
     def _wants_decode(self, seq: SequenceState) -> bool:
@@ -597,13 +598,8 @@ class Scheduler:
     def _reserve_draft_pages(self, seq: SequenceState, num_drafts: int) -> int:
         """Pages for positions up to num_computed + num_drafts, as far as free pages allow (drafts never
         preempt anyone); returns the drafts that have a page."""
-        while num_drafts and (seq.num_computed + num_drafts) // self.page_size >= len(seq.page_ids):
-            page = self.pool.allocate(1)
-            if page is None:
-                return min(num_drafts, len(seq.page_ids) * self.page_size - seq.num_computed - 1)
-            self._page_table[seq.slot, len(seq.page_ids)] = page[0]
-            seq.page_ids.extend(page)
-        return num_drafts
+        self._grow(seq, seq.num_computed + num_drafts)
+        return min(num_drafts, len(seq.page_ids) * self.page_size - seq.num_computed - 1)
 
     def _after_verification(self, seq: SequenceState, num_drafts: int, num_tokens: int) -> None:
         """Counts a verification row's drafts and accepted tokens, pauses a request whose drafts keep
@@ -695,7 +691,7 @@ class Scheduler:
             if seq.matcher is not None:
                 constrained.append((seq.matcher, slot))
             proposed = self._drafts(seq) if speculating and self._drafts_allowed(seq) else []
-            if seq.speculation_paused and self.speculation is not None:
+            if seq.speculation_paused:
                 seq.speculation_paused -= 1
             if proposed:
                 proposed = proposed[: self._reserve_draft_pages(seq, len(proposed))]
@@ -805,11 +801,7 @@ class Scheduler:
                 if owners is scheduler_output.decode_owners and slot in scheduler_output.num_drafts:
                     seq.num_computed += count  # the verified inputs: its last token and the accepted drafts
                     seq.num_dispatched_outputs = len(seq.output_token_ids)
-                    if reason is None:
-                        self._after_verification(seq, scheduler_output.num_drafts[slot], count)
-                    else:
-                        seq.num_drafted += scheduler_output.num_drafts[slot]
-                        seq.num_accepted += count - 1
+                    self._after_verification(seq, scheduler_output.num_drafts[slot], count)
                 if reason is not None:
                     finished.append(self._finish(seq, reason, **news.pop(seq.request_id).fields()))
                 else:

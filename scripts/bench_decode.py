@@ -164,8 +164,12 @@ def in_subprocess(function: str, *args) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def bench_llama_cpp(binary: str, path, prompt_len: int, steps: int) -> dict:
-    """llama.cpp's own llama-bench on the same GGUF file, 2 threads: prefill and batch-1 decode tok/s."""
+def bench_llama_cpp(
+    binary: str, path, prompt_len: int, prompt_ctx: int, steps: int, batches: list[int]
+) -> dict:
+    """llama.cpp on the same GGUF file, 2 threads: llama-bench for prefill and one-stream decode, and
+    llama-batched-bench (beside it) for decode at several streams, each stream after a `prompt_ctx`-token
+    prompt: {"prefill", "decode<batch>"} in tok/s."""
     cmd = [binary, "-m", str(path), "-p", str(prompt_len), "-n", str(steps), "-t", "2", "-o", "json"]
     rows = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
     result = {}
@@ -174,6 +178,20 @@ def bench_llama_cpp(binary: str, path, prompt_len: int, steps: int) -> dict:
             result["prefill"] = row["avg_ts"]
         elif row.get("n_gen", 0) > 0 and row.get("n_prompt", 0) == 0:
             result["decode1"] = row["avg_ts"]
+    several = [b for b in batches if b > 1]
+    batched = pathlib.Path(binary).with_name("llama-batched-bench")
+    if several and batched.exists():
+        context = max(several) * (prompt_ctx + steps)
+        cmd = [
+            str(batched), "-m", str(path), "-c", str(context), "-b", "2048", "-ub", "512", "-t", "2",
+            "-npp", str(prompt_ctx), "-ntg", str(steps), "-npl", ",".join(map(str, several)),
+            "--output-format", "jsonl",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        for line in (done.stdout + done.stderr).splitlines():
+            if line.startswith("{"):
+                row = json.loads(line)
+                result[f"decode{row['pl']}"] = row["speed_tg"]
     return result
 
 
@@ -190,7 +208,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default=None, help="default: the CLI's (bfloat16 on CPU)")
     parser.add_argument("--page-size", type=int, default=None, help="default: the CLI's for this backend")
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--llama-bench", default=None, help="path to llama.cpp's llama-bench binary")
+    parser.add_argument(
+        "--llama-bench",
+        default=None,
+        help="path to llama.cpp's llama-bench (llama-batched-bench beside it times several streams)",
+    )
     args = parser.parse_args()
 
     bandwidth = measure_bandwidth_gbs()
@@ -229,7 +251,9 @@ def main() -> None:
             )
         lcpp = {}
         if args.llama_bench:
-            lcpp = bench_llama_cpp(args.llama_bench, first["path"], args.prefill_len, args.steps)
+            lcpp = bench_llama_cpp(
+                args.llama_bench, first["path"], args.prefill_len, args.prompt_len, args.steps, args.batches
+            )
         rows.append(
             (
                 name,

@@ -34,6 +34,14 @@ def default_interpret() -> bool:
     return default_backend() not in ("tpu", "gpu", "cuda", "rocm")
 
 
+def tpu_form(interpret) -> bool:
+    """Whether a kernel takes its TPU (Mosaic) form: on TPU, or in TPU interpret mode
+    (`interpret=pltpu.InterpretParams()`), which runs that form on CPU."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    return isinstance(interpret, pltpu.InterpretParams) or (default_backend() == "tpu" and not interpret)
+
+
 def min_dot_rows() -> int:
     """Fewest rows for a kernel matmul operand: Triton's tl.dot needs 16, a TPU tile has 8 sublanes."""
     return 16 if default_backend() in ("gpu", "cuda", "rocm") else 8
@@ -59,14 +67,14 @@ def check_block(name: str, value: int) -> None:
         raise ValueError(f"{name}={value!r} must be a positive power of two")
 
 
-def scalar_table_spec(shape: tuple[int, ...]) -> pl.BlockSpec:
+def scalar_table_spec(shape: tuple[int, ...], smem: bool = False) -> pl.BlockSpec:
     """BlockSpec for a small int32 table (lengths, offsets) read with scalar indexing in the kernel.
 
-    The whole table is one block. On TPU it lives in SMEM (scalar memory); elsewhere it is an ordinary
-    block (a pointer on GPU, an array in interpret mode).
+    The whole table is one block. On TPU (or with `smem`, for TPU interpret mode) it lives in SMEM
+    (scalar memory); elsewhere it is an ordinary block (a pointer on GPU, an array in interpret mode).
     """
     index_map = lambda *_: (0,) * len(shape)  # noqa: E731
-    if default_backend() == "tpu":
+    if smem or default_backend() == "tpu":
         from jax.experimental.pallas import tpu as pltpu
 
         return pl.BlockSpec(memory_space=pltpu.SMEM)

@@ -34,9 +34,12 @@ Decode splits each row's pages over `num_splits` programs (split-K / flash-decod
 partial outputs by log-sum-exp, like `decode_attention`.
 
 Backends: the page size is a power of two, at least the backend's smallest matmul operand (8 on TPU and in
-interpret mode, 16 for Triton's tl.dot on GPU). TPU note: the K/V BlockSpec covers one (layer, kv head)'s
-whole pool, which Mosaic copies to VMEM whole; a TPU-tuned variant would keep the pool in HBM
-(`memory_space=pl.ANY`) and DMA each visited page. GPU (Triton) and interpret mode load only visited pages.
+interpret mode, 16 for Triton's tl.dot on GPU). On GPU (Triton) and in interpret mode the K/V BlockSpec
+covers one (layer, kv head)'s pool, which Triton sees as a pointer: only visited pages are loaded. Mosaic
+would copy such a block to VMEM whole, which a real pool does not fit, so on TPU the pool stays in HBM
+(`memory_space=ANY`) and each step's pages are copied into a double buffer in VMEM by async DMA, the next
+step's copies running while the current step computes (`_PageCopies`). `interpret=pltpu.InterpretParams()`
+runs that TPU form on CPU (TPU interpret mode simulates the DMAs and semaphores); tests do.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._common import (
     MASK_VALUE,
@@ -62,6 +66,7 @@ from pallas_kernels._common import (
     min_dot_rows,
     pad_axis,
     scalar_table_spec,
+    tpu_form,
 )
 
 # The split-K merge is the same as the contiguous decode kernel's.
@@ -198,22 +203,86 @@ def _compute_dtype(q: jax.Array, k_pages: jax.Array):
     return jnp.promote_types(q.dtype, k_pages.dtype)
 
 
-def _kv_specs(k_pages, layer: int, quantized: bool, kv_head_of) -> list[pl.BlockSpec]:
+def _kv_specs(k_pages, layer: int, quantized: bool, kv_head_of, tpu: bool) -> list[pl.BlockSpec]:
     """BlockSpecs of one (layer, kv head)'s whole page pool (and its scales); the layer is chosen here.
 
-    `kv_head_of(*grid_indices)` gives the kv head of a program.
+    `kv_head_of(*grid_indices)` gives the kv head of a program. In the TPU form the pool stays in HBM and
+    the kernel copies pages itself.
     """
+    count = 4 if quantized else 2
+    if tpu:
+        return [pl.BlockSpec(memory_space=pl.ANY)] * count
     _, _, num_pages, page_size, head_dim = k_pages.shape
 
     def index_map(*idx):
         return layer, kv_head_of(*idx), 0, 0, 0
 
     page_spec = pl.BlockSpec((None, None, num_pages, page_size, head_dim), index_map)
-    if not quantized:
-        return [page_spec, page_spec]
     # Scales are passed as [L, K, P, 1, S] (a free reshape) so a page's scales load as a [1, S] row.
     scale_spec = pl.BlockSpec((None, None, num_pages, 1, page_size), index_map)
-    return [page_spec, page_spec, scale_spec, scale_spec]
+    return [page_spec, page_spec, scale_spec, scale_spec][:count]
+
+
+def _page_buffers(k_pages, pages_per_block: int, quantized: bool, tpu: bool) -> list:
+    """VMEM scratch of the TPU form: K and V (and scale) double buffers of one step's pages, one DMA
+    semaphore per buffer. Empty elsewhere."""
+    if not tpu:
+        return []
+    _, _, _, page_size, head_dim = k_pages.shape
+    pages = pltpu.VMEM((2, pages_per_block, page_size, head_dim), k_pages.dtype)
+    scales = [pltpu.VMEM((2, pages_per_block, 1, page_size), jnp.float32)] * 2 if quantized else []
+    return [pages, pages, *scales, pltpu.SemaphoreType.DMA((2,))]
+
+
+class _PageCopies:
+    """Double-buffered DMA of each step's pages from the HBM pool into VMEM (the TPU form).
+
+    Step `step` of the page loop reads buffer `step % 2`; `start(step + 1)` fills the other buffer while
+    `step` computes. Every copy of a buffer signals that buffer's semaphore and is waited for one by one.
+    """
+
+    copies = True
+
+    def __init__(self, pools, buffers, sems, *, layer, kv_head, page_of, pages_per_block):
+        self.pools, self.buffers, self.sems = pools, buffers, sems  # [L, K, P, ...] / [2, ppb, ...]
+        self.layer, self.kv_head, self.page_of = layer, kv_head, page_of
+        self.pages_per_block = pages_per_block
+
+    def _copies(self, step):
+        slot = lax.rem(step, 2)
+        for i in range(self.pages_per_block):
+            page = self.page_of(step, i)
+            for pool, buffer in zip(self.pools, self.buffers):
+                src = pool.at[self.layer, self.kv_head, page]
+                yield pltpu.make_async_copy(src, buffer.at[slot, i], self.sems.at[slot])
+
+    def start(self, step) -> None:
+        for copy in self._copies(step):
+            copy.start()
+
+    def wait(self, step) -> None:
+        for copy in self._copies(step):
+            copy.wait()
+
+    def page(self, step, i):
+        """(k [S, D], v [S, D], k_scale [1, S] | None, v_scale [1, S] | None) of page i of a step."""
+        slot = lax.rem(step, 2)
+        parts = [buffer[slot, i] for buffer in self.buffers]
+        return (*parts, None, None) if len(parts) == 2 else tuple(parts)
+
+
+class _PoolBlocks:
+    """The pool as a kernel block (GPU, interpret mode): a page is read where it lies, nothing to copy."""
+
+    copies = False
+
+    def __init__(self, pools, page_of):
+        self.pools, self.page_of = pools, page_of  # [P, S, D] / [P, 1, S] refs of one (layer, kv head)
+
+    def page(self, step, i):
+        page = self.page_of(step, i)
+        parts = [pool[page] for pool in self.pools]
+        return (*parts, None, None) if len(parts) == 2 else tuple(parts)
 
 
 def _kv_operands(k_pages, v_pages, k_scale, v_scale) -> list[jax.Array]:
@@ -227,11 +296,12 @@ def _attend_pages(
     q,  # [M, D] compute dtype
     q_pos,  # scalar or [M, 1] int32: absolute position of each query row
     page_table_ref,  # [B * R] int32 (whole table, flattened)
-    k_ref,  # [P, S, D] this (layer, kv head)'s page pool
-    v_ref,  # [P, S, D]
-    k_scale_ref,  # [P, 1, S] f32, or None for float pages
-    v_scale_ref,  # [P, 1, S] f32, or None
+    pool_refs,  # k, v [P, S, D] (and k_scale, v_scale [P, 1, S] f32): the pool's block; TPU form: the
+    # HBM pools [L, K, P, ...]
+    scratch,  # TPU form: the buffers and semaphores of _page_buffers; else empty
     *,
+    layer: int,
+    page_size: int,
     table_base,  # b * R: this row's first page-table entry
     lo,  # first logical page to visit
     hi,  # one past the last logical page to visit (<= R)
@@ -247,23 +317,41 @@ def _attend_pages(
     Returns the float32 (row max [M, 1], denominator [M, 1], unnormalised output [M, D]).
     """
     num_rows, head_dim = q.shape
-    page_size = k_ref.shape[1]
     last_page = hi - 1
+
+    def page_of(step, i):
+        # Pages past the range re-read its last page (cached); their keys are masked below.
+        return page_table_ref[table_base + jnp.minimum(lo + step * pages_per_block + i, last_page)]
+
+    if scratch:
+        *buffers, sems = scratch
+        source = _PageCopies(
+            pool_refs, buffers, sems, layer=layer, kv_head=pl.program_id(1), page_of=page_of,
+            pages_per_block=pages_per_block,
+        )  # fmt: skip
+    else:
+        source = _PoolBlocks(pool_refs, page_of)
+    num_steps = cdiv_nonneg(hi - lo, pages_per_block)
 
     def body(step, carry):
         row_max, denom, acc = carry  # [M, 1], [M, 1], [M, D]
+        if source.copies:
+
+            @pl.when(step + 1 < num_steps)
+            def _():
+                source.start(step + 1)
+
+            source.wait(step)
         first = lo + step * pages_per_block
         scores, values = [], []
         for i in range(pages_per_block):
             logical = first + i
-            # Pages past the range re-read its last page (cached); their keys are masked below.
-            page = page_table_ref[table_base + jnp.minimum(logical, last_page)]
+            k, v, k_scale, v_scale = source.page(step, i)  # [S, D], [S, D], [1, S] | None, [1, S] | None
             k_pos = logical * page_size + lax.broadcasted_iota(jnp.int32, (1, page_size), 1)  # [1, S]
             key_valid = k_pos < key_end  # [1, S]
-            k = k_ref[page].astype(q.dtype)  # [S, D]
-            s = dot_nt(q, k)  # [M, S]
-            if k_scale_ref is not None:
-                s = s * k_scale_ref[page]  # [1, S] per-key scales
+            s = dot_nt(q, k.astype(q.dtype))  # [M, S]
+            if k_scale is not None:
+                s = s * k_scale  # per-key scales
             s = s * sm_scale
             if logit_softcap is not None:
                 s = logit_softcap * jnp.tanh(s / logit_softcap)
@@ -273,10 +361,9 @@ def _attend_pages(
             if sliding_window is not None:
                 visible = visible & (k_pos > q_pos - sliding_window)
             scores.append((jnp.where(visible, s, MASK_VALUE), visible))
-            v = v_ref[page]  # [S, D]
-            if v_scale_ref is not None:
+            if v_scale is not None:
                 # Zero the scales of invalid slots (they may hold anything); int8 values are finite.
-                values.append((v.astype(q.dtype), jnp.where(key_valid, v_scale_ref[page], 0.0)))
+                values.append((v.astype(q.dtype), jnp.where(key_valid, v_scale, 0.0)))
             else:
                 valid_rows = logical * page_size + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0)
                 values.append((jnp.where(valid_rows < key_end, v.astype(q.dtype), 0), None))
@@ -300,7 +387,12 @@ def _attend_pages(
         jnp.zeros((num_rows, 1), jnp.float32),
         jnp.zeros((num_rows, head_dim), jnp.float32),
     )
-    num_steps = cdiv_nonneg(hi - lo, pages_per_block)
+    if source.copies:
+
+        @pl.when(num_steps > 0)
+        def _():
+            source.start(0)
+
     return lax.fori_loop(0, num_steps, body, init)
 
 
@@ -335,7 +427,7 @@ def paged_decode_attention(
     v_scale: jax.Array | None = None,  # [L, K, P, S] f32, int8 pages only
     block_sizes: DecodeBlockSizes | None = None,
     num_splits: int = 1,
-    interpret: bool | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
 ) -> jax.Array:  # [B, N, D], dtype of q
     """Attention of each row's newest token (at position lengths[b] - 1) over its paged keys.
 
@@ -353,6 +445,7 @@ def paged_decode_attention(
     if block_sizes is None:
         block_sizes = DecodeBlockSizes.get_default(head_dim, page_size, pages_per_split)
     interpret = default_interpret() if interpret is None else interpret
+    tpu = tpu_form(interpret)
     quantized = k_pages.dtype == jnp.int8
     group = num_heads // num_kv_heads
 
@@ -371,6 +464,8 @@ def paged_decode_attention(
         pages_per_block=block_sizes.pages_per_block,
         pages_per_split=pages_per_split,
         pages_per_row=pages_per_row,
+        layer=layer,
+        page_size=page_size,
     )
 
     def q_index_map(b, h, s):
@@ -385,10 +480,10 @@ def paged_decode_attention(
         kernel,
         grid=(num_rows, num_kv_heads, num_splits),
         in_specs=[
-            scalar_table_spec((num_rows,)),  # lengths
-            scalar_table_spec((num_rows * pages_per_row,)),  # page table, flattened
+            scalar_table_spec((num_rows,), smem=tpu),  # lengths
+            scalar_table_spec((num_rows * pages_per_row,), smem=tpu),  # page table, flattened
             pl.BlockSpec((None, None, group_padded, head_dim), q_index_map),
-            *_kv_specs(k_pages, layer, quantized, lambda b, h, s: h),
+            *_kv_specs(k_pages, layer, quantized, lambda b, h, s: h, tpu),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, group_padded, head_dim), partial_index_map),
@@ -398,6 +493,7 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct((*partial_shape, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((*partial_shape, 1), jnp.float32),
         ],
+        scratch_shapes=_page_buffers(k_pages, block_sizes.pages_per_block, quantized, tpu),
         compiler_params=compiler_params(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_decode_attention",
@@ -414,8 +510,9 @@ def paged_decode_attention(
 
 def _paged_decode_kernel(
     # inputs: lengths_ref [B], page_table_ref [B * R], q_ref [G_pad, D], k_ref / v_ref [P, S, D],
-    # then (int8 pages only) k_scale_ref / v_scale_ref [P, 1, S];
-    # outputs: out_ref [G_pad, D] f32 (this split's normalised partial), lse_ref [G_pad, 1] f32
+    # then (int8 pages only) k_scale_ref / v_scale_ref [P, 1, S] (TPU form: the whole pools in HBM);
+    # outputs: out_ref [G_pad, D] f32 (this split's normalised partial), lse_ref [G_pad, 1] f32;
+    # TPU form: then the scratch of _page_buffers
     *refs,
     quantized: bool,
     sm_scale: float,
@@ -424,14 +521,15 @@ def _paged_decode_kernel(
     pages_per_block: int,
     pages_per_split: int,
     pages_per_row: int,
+    layer: int,
+    page_size: int,
 ):
-    if quantized:
-        lengths_ref, page_table_ref, q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, out_ref, lse_ref = refs
-    else:
-        lengths_ref, page_table_ref, q_ref, k_ref, v_ref, out_ref, lse_ref = refs
-        k_scale_ref = v_scale_ref = None
+    num_pools = 4 if quantized else 2
+    lengths_ref, page_table_ref, q_ref = refs[:3]
+    pool_refs = refs[3 : 3 + num_pools]
+    out_ref, lse_ref = refs[3 + num_pools : 5 + num_pools]
+    scratch = refs[5 + num_pools :]
     b, split = pl.program_id(0), pl.program_id(2)
-    page_size = k_ref.shape[1]
     length = jnp.minimum(lengths_ref[b], pages_per_row * page_size)
     query_pos = length - 1
 
@@ -445,10 +543,10 @@ def _paged_decode_kernel(
         q_ref[...],
         query_pos,
         page_table_ref,
-        k_ref,
-        v_ref,
-        k_scale_ref,
-        v_scale_ref,
+        pool_refs,
+        scratch,
+        layer=layer,
+        page_size=page_size,
         table_base=b * pages_per_row,
         lo=lo,
         hi=hi,
@@ -551,7 +649,7 @@ def paged_prefill_attention(
     k_scale: jax.Array | None = None,  # [L, K, P, S] f32, int8 pages only
     v_scale: jax.Array | None = None,  # [L, K, P, S] f32, int8 pages only
     block_sizes: PrefillBlockSizes | None = None,
-    interpret: bool | None = None,
+    interpret: bool | pltpu.InterpretParams | None = None,
 ) -> jax.Array:  # [B, T, N, D], dtype of q
     """Causal attention of a chunk of queries over the paged keys of its row (cached prefix + the chunk).
 
@@ -572,6 +670,7 @@ def paged_prefill_attention(
     if block_sizes is None:
         block_sizes = PrefillBlockSizes.get_default(head_dim, page_size, pages_per_row, q_len, group)
     interpret = default_interpret() if interpret is None else interpret
+    tpu = tpu_form(interpret)
     quantized = k_pages.dtype == jnp.int8
     block_q = block_sizes.block_q
     group_padded = pl.next_power_of_2(group)
@@ -596,6 +695,8 @@ def paged_prefill_attention(
         block_q=block_q,
         pages_per_block=block_sizes.pages_per_block,
         pages_per_row=pages_per_row,
+        layer=layer,
+        page_size=page_size,
     )
 
     def q_index_map(b, h, qi):
@@ -607,14 +708,15 @@ def paged_prefill_attention(
         kernel,
         grid=(num_rows, num_kv_heads, num_q_blocks),
         in_specs=[
-            scalar_table_spec((num_rows,)),  # q_start
-            scalar_table_spec((num_rows,)),  # kv_lens
-            scalar_table_spec((num_rows * pages_per_row,)),  # page table, flattened
+            scalar_table_spec((num_rows,), smem=tpu),  # q_start
+            scalar_table_spec((num_rows,), smem=tpu),  # kv_lens
+            scalar_table_spec((num_rows * pages_per_row,), smem=tpu),  # page table, flattened
             q_spec,
-            *_kv_specs(k_pages, layer, quantized, lambda b, h, qi: h),
+            *_kv_specs(k_pages, layer, quantized, lambda b, h, qi: h, tpu),
         ],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q_c.shape, q.dtype),
+        scratch_shapes=_page_buffers(k_pages, block_sizes.pages_per_block, quantized, tpu),
         compiler_params=compiler_params(num_warps=4 if head_dim <= 64 else 8, num_stages=2),
         cost_estimate=pl.CostEstimate(
             flops=4 * num_rows * num_heads * q_len * pages_per_row * page_size * head_dim,
@@ -638,8 +740,8 @@ def paged_prefill_attention(
 
 def _paged_prefill_kernel(
     # inputs: q_start_ref [B], kv_lens_ref [B], page_table_ref [B * R], q_ref [G_pad * block_q, D],
-    # k_ref / v_ref [P, S, D], then (int8 pages only) k_scale_ref / v_scale_ref [P, 1, S];
-    # output: o_ref [G_pad * block_q, D]
+    # k_ref / v_ref [P, S, D], then (int8 pages only) k_scale_ref / v_scale_ref [P, 1, S] (TPU form: the
+    # whole pools in HBM); output: o_ref [G_pad * block_q, D]; TPU form: then the scratch of _page_buffers
     *refs,
     quantized: bool,
     sm_scale: float,
@@ -648,14 +750,15 @@ def _paged_prefill_kernel(
     block_q: int,
     pages_per_block: int,
     pages_per_row: int,
+    layer: int,
+    page_size: int,
 ):
-    if quantized:
-        q_start_ref, kv_lens_ref, page_table_ref, q_ref, k_ref, v_ref, k_scale_ref, v_scale_ref, o_ref = refs
-    else:
-        q_start_ref, kv_lens_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref = refs
-        k_scale_ref = v_scale_ref = None
+    num_pools = 4 if quantized else 2
+    q_start_ref, kv_lens_ref, page_table_ref, q_ref = refs[:4]
+    pool_refs = refs[4 : 4 + num_pools]
+    o_ref = refs[4 + num_pools]
+    scratch = refs[5 + num_pools :]
     b, qi = pl.program_id(0), pl.program_id(2)
-    page_size = k_ref.shape[1]
     kv_len = jnp.minimum(kv_lens_ref[b], pages_per_row * page_size)
     first_pos = q_start_ref[b] + qi * block_q  # absolute position of this block's first query
     last_pos = first_pos + block_q - 1
@@ -673,10 +776,10 @@ def _paged_prefill_kernel(
         q,
         q_pos,
         page_table_ref,
-        k_ref,
-        v_ref,
-        k_scale_ref,
-        v_scale_ref,
+        pool_refs,
+        scratch,
+        layer=layer,
+        page_size=page_size,
         table_base=b * pages_per_row,
         lo=lo,
         hi=hi,

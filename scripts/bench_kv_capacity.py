@@ -1,13 +1,15 @@
 """How many requests the paged KV cache runs at once in the memory the old slot cache reserved.
 
     .venv/bin/python scripts/bench_kv_capacity.py [--model smollm2-135m-instruct] [--old-slots 8]
-        [--old-max-len 2048] [--max-running 64] [--num-requests 128] [--input-len uniform:50,1500]
-        [--output-len uniform:20,200] [--result-dir out/bench_kv_capacity]
+        [--old-max-len 2048] [--old-dtype bfloat16] [--kv-cache-dtype int8] [--max-running 64]
+        [--num-requests 128] [--input-len uniform:50,1500] [--output-len uniform:20,200]
+        [--result-dir out/bench_kv_capacity]
 
 The slot cache reserved --old-slots x --old-max-len positions (8 x 2048 by default), so it never ran more
 than --old-slots requests at once. This script gives the paged cache exactly those bytes
 (old slots x old max len x bytes per position: layers x KV heads x head dim x 2 (K, V) x the cache dtype's
-size; SmolLM2 in bfloat16: 30 x 3 x 64 x 2 x 2 = 23,040 bytes, 377,487,360 bytes in all), starts
+size; SmolLM2 in bfloat16: 30 x 3 x 64 x 2 x 2 = 23,040 bytes, 377,487,360 bytes in all; --old-dtype
+sets that size, --kv-cache-dtype the paged cache's, so int8 pages show what those bytes hold), starts
 `jaxinfer serve --kv-cache-memory <bytes> --max-running 64 --max-len 2048` and sends a mixed workload all
 at once with `jaxinfer bench-serving` (prompt and output lengths uniform, ignore_eos, greedy), sampling
 `jaxinfer_running_requests` (and the KV pages in use) from the metrics endpoint every --interval seconds.
@@ -89,7 +91,12 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--old-slots", type=int, default=8, help="the slot cache's slots")
     parser.add_argument("--old-max-len", type=int, default=2048, help="the slot cache's positions per slot")
-    parser.add_argument("--kv-cache-dtype", default="bfloat16", help="the cache dtype (CPU default bfloat16)")
+    parser.add_argument(
+        "--old-dtype", default="bfloat16", help="the slot cache's dtype, which sets the memory (CPU default)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", default=None, help="the paged cache's dtype (default: --old-dtype)"
+    )
     parser.add_argument("--max-running", type=int, default=64)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--num-requests", type=int, default=128)
@@ -100,11 +107,13 @@ def main() -> None:
     add_run_args(parser, "out/bench_kv_capacity")
     args = parser.parse_args()
     jaxinfer, result_dir = prepare_run(args)
-    per_position, how = bytes_per_position(args.model, args.kv_cache_dtype)
+    args.kv_cache_dtype = args.kv_cache_dtype or args.old_dtype
+    per_position, how = bytes_per_position(args.model, args.old_dtype)
     kv_bytes = args.old_slots * args.old_max_len * per_position
     print(
         f"{args.model}: {per_position} bytes per position ({how}); the slot cache's "
-        f"{args.old_slots} x {args.old_max_len} positions = {kv_bytes} bytes ({kv_bytes / 2**20:.1f} MiB)"
+        f"{args.old_slots} x {args.old_max_len} positions = {kv_bytes} bytes ({kv_bytes / 2**20:.1f} MiB), "
+        f"paged as {args.kv_cache_dtype}"
     )
     serve_flags = [
         "--model", args.model, "--kv-cache-memory", str(kv_bytes), "--kv-cache-dtype", args.kv_cache_dtype,

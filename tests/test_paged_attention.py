@@ -29,6 +29,10 @@ from pallas_kernels.paged_attention import (
 )
 
 INTERPRET = True
+# The page loop's two forms: the pool as one kernel block (GPU, interpret mode), and the TPU form (the pool
+# in HBM, each step's pages copied into VMEM by double-buffered DMA) run by TPU interpret mode, which
+# simulates the copies and semaphores and fills scratch with NaN.
+FORMS = {"pool_block": INTERPRET, "tpu_dma": pltpu.InterpretParams()}
 F32, BF16, I8 = jnp.float32, jnp.bfloat16, jnp.int8
 
 
@@ -149,8 +153,9 @@ DECODE_CASES = {
 }
 
 
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("case", list(DECODE_CASES))
-def test_decode_matches_reference_and_dense(case):
+def test_decode_matches_reference_and_dense(case, form):
     (heads, kv_heads, page_size, head_dim, lengths, pages_per_row, layers, layer, window, softcap, splits,
      pages_per_block, q_dtype, cache_dtype, poison) = DECODE_CASES[case]  # fmt: skip
     cache, page_table, dense, raw = _paged_cache(
@@ -169,7 +174,9 @@ def test_decode_matches_reference_and_dense(case):
         **cache,
     )
     lengths_arr = jnp.asarray(lengths, jnp.int32)
-    out = paged_decode_attention(q, lengths=lengths_arr, page_table=page_table, interpret=INTERPRET, **kwargs)
+    out = paged_decode_attention(
+        q, lengths=lengths_arr, page_table=page_table, interpret=FORMS[form], **kwargs
+    )
     ref = paged_decode_attention_reference(q, lengths=lengths_arr, page_table=page_table, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype
     out32 = np.asarray(out, np.float32)
@@ -208,8 +215,9 @@ PREFILL_CASES = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize("form", list(FORMS))
 @pytest.mark.parametrize("case", list(PREFILL_CASES))
-def test_prefill_matches_reference_and_dense(case):
+def test_prefill_matches_reference_and_dense(case, form):
     (heads, kv_heads, page_size, head_dim, q_len, q_start, true_lens, pages_per_row, layers, layer, window,
      softcap, blocks, q_dtype, cache_dtype, poison) = PREFILL_CASES[case]  # fmt: skip
     kv_lens = tuple(start + n for start, n in zip(q_start, true_lens))
@@ -232,7 +240,7 @@ def test_prefill_matches_reference_and_dense(case):
         kv_lens=jnp.asarray(kv_lens, jnp.int32),
         page_table=page_table,
     )
-    out = paged_prefill_attention(q, interpret=INTERPRET, **tables, **kwargs)
+    out = paged_prefill_attention(q, interpret=FORMS[form], **tables, **kwargs)
     ref = paged_prefill_attention_reference(q, **tables, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert np.all(np.isfinite(np.asarray(out, np.float32)))  # padding queries too
@@ -252,7 +260,8 @@ def test_prefill_matches_reference_and_dense(case):
 
 def test_reads_only_needed_page_table_entries():
     # Page-table entries no visible key needs (before each row's window, past its length) point past the
-    # pool. The TPU interpreter raises on any out-of-bounds read, so following one of them fails the test.
+    # pool. The TPU interpreter raises on any out-of-bounds read or DMA, so following one of them fails the
+    # test; this runs the TPU form, whose DMAs name the pages they copy.
     page_size, window, pages_per_row = 8, 12, 6
     lengths, q_start, true_lens = (40, 0, 9, 47), (28, 0, 0, 40), (12, 0, 9, 7)
     cache, page_table, dense, _ = _paged_cache(

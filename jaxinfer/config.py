@@ -128,12 +128,15 @@ class KernelConfig:
         run an int8 x int8 -> int32 dot (XLA:CPU runs the dequantise-then-dot form ~10x slower there;
         without this flag, the native VNNI kernel or a bf16 weight copy serves several rows there).
     interpret: run Pallas kernels in interpret mode (CPU).
+    native_attention_min_rows: fewest decode rows that attend through the native kernel (runtime sets 1
+        where every output projection is a native int4 call: kernel_dispatch.native_attention_min_rows).
     """
 
     attention: Literal["xla", "pallas", "native"] = "xla"
     matmul: Literal["xla", "pallas", "native"] = "xla"
     int8_activations: bool = False
     interpret: bool = False
+    native_attention_min_rows: int = 2
 
     @classmethod
     def for_backend(

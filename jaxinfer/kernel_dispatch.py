@@ -250,10 +250,20 @@ def decode_attention_pallas(
     return out[:, None]
 
 
-# A decode step of one row keeps XLA attention: after a custom call, XLA:CPU's next matrix-vector
-# product (split over both threads) runs ~4x slower, a third more per SmolLM2 step, while attention
-# over one row costs little either way. From 2 rows the kernel wins (SmolLM2 at 4 streams: 1.35x).
-NATIVE_ATTENTION_MIN_ROWS = 2
+def native_attention_min_rows(layers: list[dict], kernels: KernelConfig) -> int:
+    """Fewest decode rows that attend through the native kernel (KernelConfig.native_attention_min_rows).
+
+    After a custom call XLA:CPU's next matrix-vector product (split over both threads) runs ~4x slower,
+    a third more per SmolLM2 int8 step, so where an XLA product follows attention a one-row step keeps
+    XLA attention; from 2 rows the kernel wins (SmolLM2 at 4 streams: 1.35x). Where every layer's
+    output projection is an int4 product through the native kernel, no XLA product follows and the
+    kernel saves one row its page gathers too (SmolLM2 / Gemma 3 int4 at one stream, AVX2: ~13% less
+    per step).
+    """
+    native_int4 = all(isinstance(layer.get("o_proj"), PackedInt4Weight) for layer in layers)
+    return 1 if kernels.matmul == "native" and native_int4 else 2
+
+
 # Up to this many new tokens per row (a verification step: the last token and its drafts), the native
 # kernel attends each token as a decode row of its own, up to its own position.
 MAX_QUERIES_AS_ROWS = 8
@@ -261,11 +271,11 @@ MAX_QUERIES_AS_ROWS = 8
 
 def native_decode_attention(kernels: KernelConfig, cache, head_dim: int, rows: int) -> bool:
     """Whether a decode step over `rows` rows attends through the C++ kernel: attention "native", at
-    least NATIVE_ATTENTION_MIN_ROWS rows and pages the kernel reads (float32 or bfloat16 bit
+    least `kernels.native_attention_min_rows` rows and pages the kernel reads (float32 or bfloat16 bit
     patterns; an int8 cache stays on XLA)."""
     return (
         kernels.attention == "native"
-        and rows >= NATIVE_ATTENTION_MIN_ROWS
+        and rows >= kernels.native_attention_min_rows
         and not cache.quantized
         and decode_attention_supports(cache.k.dtype, head_dim)
     )

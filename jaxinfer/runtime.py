@@ -20,6 +20,7 @@ import jax
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.cpu_kernels import int4_matmul_available
 from jaxinfer.jax_engine import JaxEngine
+from jaxinfer.kernel_dispatch import native_attention_min_rows
 from jaxinfer.kv_cache import bytes_per_page
 from jaxinfer.loading import LoadedModel, ModelLoadError, load_gguf, load_model
 from jaxinfer.loading.common import expected_leaf_shapes
@@ -368,6 +369,8 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     )
     kernels = dataclasses.replace(kernels, int8_activations=options.int8_activations)
     loaded = dataclasses.replace(loaded, params=add_kernel_forms(loaded.params, kernels))
+    min_rows = native_attention_min_rows(loaded.params["layers"], kernels)
+    kernels = dataclasses.replace(kernels, native_attention_min_rows=min_rows)
     spec = options.speculation
     engine = JaxEngine(
         loaded.params,

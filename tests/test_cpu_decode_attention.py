@@ -234,9 +234,10 @@ def test_bad_shapes_are_refused_clearly():
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtype):
+def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtype, rows):
     from jaxinfer.config import KernelConfig
     from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
     from jaxinfer.models.params import random_params
@@ -246,9 +247,9 @@ def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtyp
     params = random_params(config, seed=3)
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, size=20)]
     expected = teacher_forced_logits(params, config, tokens, KernelConfig())
-    got = teacher_forced_decode_logits(
-        params, config, tokens, KernelConfig(attention="native"), rows=3, cache_dtype=cache_dtype
-    )
+    # One row attends natively where the runtime allows it (native int4 output projections).
+    kernels = KernelConfig(attention="native", native_attention_min_rows=1)
+    got = teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype=cache_dtype)
     rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
     assert rel < (1e-5 if cache_dtype == "float32" else 1e-2), rel
 
@@ -266,9 +267,11 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
     cache = paged_cache_config(4, 128, page_size=16, dtype="bfloat16")
     native = JaxEngine(params, config, cache, max_prefill_chunk=16, kernels=KernelConfig(attention="native"))
     xla = JaxEngine(params, config, cache, max_prefill_chunk=16, kernels=KernelConfig())
-    # One row stays on XLA attention (kernel_dispatch.NATIVE_ATTENTION_MIN_ROWS); 2 and 4 rows read each
+    # One row stays on XLA attention (KernelConfig.native_attention_min_rows); 2 and 4 rows read each
     # row up to its own length, so the page buckets collapse to a whole page table.
     assert [native.native_decode_attention(r) for r in (1, 2, 4)] == [False, True, True]
+    one_row = KernelConfig(attention="native", native_attention_min_rows=1)
+    assert JaxEngine(params, config, cache, kernels=one_row).native_decode_attention(1)
     assert native._decode_page_buckets(4) == (8,) and len(xla._decode_page_buckets(4)) > 1
     assert native.decode_attend_len(4, 100) == 101
     assert xla.decode_attend_len(4, 100) % 16 == 0 and xla.decode_attend_len(4, 100) > 100
@@ -279,6 +282,26 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
     int8 = JaxEngine(params, config, paged_cache_config(4, 128, page_size=16, dtype="int8"),
                      kernels=KernelConfig(attention="native"))  # fmt: skip
     assert not int8.native_decode_attention(4)
+
+
+@needs_kernel
+def test_one_row_attends_natively_only_after_native_int4_output_projections():
+    from jaxinfer.config import KernelConfig
+    from jaxinfer.kernel_dispatch import native_attention_min_rows
+    from jaxinfer.models.params import random_params
+    from jaxinfer.quantization import quantize_params
+    from jaxinfer.runtime import add_kernel_forms
+    from tests.test_engine import CONFIGS
+
+    native = KernelConfig(attention="native", matmul="native")
+    params = lambda: random_params(CONFIGS["llama"], seed=0)  # noqa: E731 (quantising consumes them)
+    int4 = add_kernel_forms(quantize_params(params(), "int4"), native)["layers"]
+    int8 = add_kernel_forms(quantize_params(params(), "int8"), native)["layers"]
+    assert native_attention_min_rows(int4, native) == 1
+    # An XLA matrix-vector product follows attention: float and int8 weights, or int4 through XLA.
+    assert native_attention_min_rows(int8, native) == 2
+    assert native_attention_min_rows(params()["layers"], native) == 2
+    assert native_attention_min_rows(int4, KernelConfig(attention="native")) == 2
 
 
 def test_native_attention_is_refused_where_it_cannot_run():

@@ -267,8 +267,7 @@ class _PageCopies:
     def page(self, step, i):
         """(k [S, D], v [S, D], k_scale [1, S] | None, v_scale [1, S] | None) of page i of a step."""
         slot = lax.rem(step, 2)
-        parts = [buffer[slot, i] for buffer in self.buffers]
-        return (*parts, None, None) if len(parts) == 2 else tuple(parts)
+        return _with_scales([buffer[slot, i] for buffer in self.buffers])
 
 
 class _PoolBlocks:
@@ -281,8 +280,12 @@ class _PoolBlocks:
 
     def page(self, step, i):
         page = self.page_of(step, i)
-        parts = [pool[page] for pool in self.pools]
-        return (*parts, None, None) if len(parts) == 2 else tuple(parts)
+        return _with_scales([pool[page] for pool in self.pools])
+
+
+def _with_scales(parts: list) -> tuple:
+    """(k, v, k_scale, v_scale) from a page's two (float) or four (int8) parts; no scales: None."""
+    return (*parts, None, None) if len(parts) == 2 else tuple(parts)
 
 
 def _kv_operands(k_pages, v_pages, k_scale, v_scale) -> list[jax.Array]:
@@ -320,7 +323,8 @@ def _attend_pages(
     last_page = hi - 1
 
     def page_of(step, i):
-        # Pages past the range re-read its last page (cached); their keys are masked below.
+        # Pages past the range re-read its last page (cached on GPU, copied again on TPU); their keys are
+        # masked below.
         return page_table_ref[table_base + jnp.minimum(lo + step * pages_per_block + i, last_page)]
 
     if scratch:

@@ -261,7 +261,7 @@ def native_attention_min_rows(layers: list[dict], kernels: KernelConfig) -> int:
     per step).
     """
     native_int4 = all(isinstance(layer.get("o_proj"), PackedInt4Weight) for layer in layers)
-    return 1 if kernels.matmul == "native" and native_int4 else 2
+    return 1 if kernels.matmul == "native" and native_int4 else kernels.native_attention_min_rows
 
 
 # Up to this many new tokens per row (a verification step: the last token and its drafts), the native

@@ -203,13 +203,18 @@ def _compute_dtype(q: jax.Array, k_pages: jax.Array):
     return jnp.promote_types(q.dtype, k_pages.dtype)
 
 
+def _num_pools(quantized: bool) -> int:
+    """Pool operands of the kernels: K and V pages, and for int8 pages their two scale arrays."""
+    return 4 if quantized else 2
+
+
 def _kv_specs(k_pages, layer: int, quantized: bool, kv_head_of, tpu: bool) -> list[pl.BlockSpec]:
     """BlockSpecs of one (layer, kv head)'s whole page pool (and its scales); the layer is chosen here.
 
     `kv_head_of(*grid_indices)` gives the kv head of a program. In the TPU form the pool stays in HBM and
     the kernel copies pages itself.
     """
-    count = 4 if quantized else 2
+    count = _num_pools(quantized)
     if tpu:
         return [pl.BlockSpec(memory_space=pl.ANY)] * count
     _, _, num_pages, page_size, head_dim = k_pages.shape
@@ -528,7 +533,7 @@ def _paged_decode_kernel(
     layer: int,
     page_size: int,
 ):
-    num_pools = 4 if quantized else 2
+    num_pools = _num_pools(quantized)
     lengths_ref, page_table_ref, q_ref = refs[:3]
     pool_refs = refs[3 : 3 + num_pools]
     out_ref, lse_ref = refs[3 + num_pools : 5 + num_pools]
@@ -757,7 +762,7 @@ def _paged_prefill_kernel(
     layer: int,
     page_size: int,
 ):
-    num_pools = 4 if quantized else 2
+    num_pools = _num_pools(quantized)
     q_start_ref, kv_lens_ref, page_table_ref, q_ref = refs[:4]
     pool_refs = refs[4 : 4 + num_pools]
     o_ref = refs[4 + num_pools]

@@ -7,8 +7,26 @@ import os
 # Tests run on the CPU; a simulated 8-device host lets sharding tests build meshes.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# One compilation cache for the whole run, shared with the subprocesses tests start: many tests compile
+# the same tiny models' programs, and XLA compilation is most of the suite's time on a slow CPU.
+_OWN_COMPILATION_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _OWN_COMPILATION_CACHE = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_COMPILATION_CACHE
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _OWN_COMPILATION_CACHE is not None and not hasattr(session.config, "workerinput"):
+        import shutil
+
+        shutil.rmtree(_OWN_COMPILATION_CACHE, ignore_errors=True)
+
 
 TINY_DIMS = dict(
     vocab_size=211,

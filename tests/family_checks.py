@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -42,6 +43,8 @@ _TOP_GGUF_NAMES = {
     "final_norm": "output_norm.weight",
     "lm_head": "output.weight",
 }
+# One program per shape: run op by op, a forward pass compiles hundreds of small XLA programs.
+_forward = jax.jit(forward, static_argnames=("config", "kernels"))
 
 
 def randomize_and_save(model: torch.nn.Module, directory: Path, vocab_tokenizer=None) -> torch.nn.Module:
@@ -65,7 +68,7 @@ def full_logits(loaded, tokens: np.ndarray) -> np.ndarray:
     cache_config = paged_cache_config(rows, 64)
     cache = init_cache(loaded.config, cache_config, make_mesh())
     positions = np.where(tokens >= 0, np.arange(t)[None], -1).astype(np.int32)
-    logits, _ = forward(
+    logits, _ = _forward(
         loaded.params, loaded.config, jnp.asarray(np.maximum(tokens, 0), jnp.int32), jnp.asarray(positions),
         cache, jnp.asarray(contiguous_page_table(rows, cache_config.pages_per_seq)),
     )  # fmt: skip
@@ -88,11 +91,11 @@ def assert_decode_equals_recompute(loaded, tokens: np.ndarray, full: np.ndarray,
     cache_config = paged_cache_config(1, 64)
     cache = init_cache(loaded.config, cache_config, make_mesh())
     table = jnp.asarray(contiguous_page_table(1, cache_config.pages_per_seq))
-    step = [forward(loaded.params, loaded.config, jnp.asarray(tokens[:, :prefill], jnp.int32),
+    step = [_forward(loaded.params, loaded.config, jnp.asarray(tokens[:, :prefill], jnp.int32),
                     jnp.arange(prefill, dtype=jnp.int32)[None], cache, table)]  # fmt: skip
     got, cache = [np.asarray(step[0][0])], step[0][1]
     for i in range(prefill, t):
-        logits, cache = forward(
+        logits, cache = _forward(
             loaded.params, loaded.config, jnp.asarray(tokens[:, i : i + 1], jnp.int32),
             jnp.full((1, 1), i, jnp.int32), cache, table,
         )  # fmt: skip

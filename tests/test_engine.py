@@ -32,6 +32,8 @@ GEMMA = ModelConfig(
     norms="sandwich", embed_scale=8.0,
 )  # fmt: skip
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
+# One program per shape: run op by op, a forward pass compiles hundreds of small XLA programs.
+_jit_forward = jax.jit(forward, static_argnames=("config", "kernels"))
 
 
 def _full_logits(params, config, tokens: list[int], kernels: KernelConfig = XLA_KERNELS) -> np.ndarray:
@@ -44,9 +46,6 @@ def _full_logits(params, config, tokens: list[int], kernels: KernelConfig = XLA_
         jnp.asarray(contiguous_page_table(1, 16)), kernels=kernels,
     )  # fmt: skip
     return np.asarray(logits[0, :t])  # causal: the padding after t changes nothing before it
-
-
-_jit_forward = jax.jit(forward, static_argnames=("config", "kernels"))
 
 
 @pytest.mark.parametrize("page_size,dtype", [(8, "float32"), (5, "float32"), (8, "int8"), (16, "bfloat16")])
@@ -76,7 +75,7 @@ def test_cached_decode_equals_full_recompute(arch, page_size, dtype):
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2
 
     prompt = 9  # past Gemma's window of 7 by the end
-    logits, cache = forward(
+    logits, cache = _jit_forward(
         params, config, jnp.asarray([tokens[:prompt]], jnp.int32), jnp.arange(prompt, dtype=jnp.int32)[None],
         cache, table[-1:],
     )  # fmt: skip
@@ -85,7 +84,7 @@ def test_cached_decode_equals_full_recompute(arch, page_size, dtype):
         # the last row decodes; the others hold no request (position -1: their writes go to the null page)
         step_tokens = jnp.asarray([[5]] * (slots - 1) + [[tokens[t]]], jnp.int32)
         positions = jnp.asarray([[-1]] * (slots - 1) + [[t]], jnp.int32)
-        logits, cache = forward(params, config, step_tokens, positions, cache, table)
+        logits, cache = _jit_forward(params, config, step_tokens, positions, cache, table)
         check(np.asarray(logits[-1, 0]), expected[t])
 
 

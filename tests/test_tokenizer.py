@@ -30,6 +30,7 @@ from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer
 
 from jaxinfer.detokenizer import IncrementalDetokenizer
+from jaxinfer.loading.gguf_loader import open_gguf
 from jaxinfer.registry import resolve_model
 from jaxinfer.tokenizer import TOKEN_USER_DEFINED, Tokenizer
 
@@ -85,7 +86,7 @@ class Loaded:
     def __init__(self, name: str):
         self.name = name
         _, self.path = resolve_model(name)
-        self.reader = gguf.GGUFReader(self.path)
+        self.reader = open_gguf(self.path)  # the fast reader, parsed once per process
         self.ours = Tokenizer.from_gguf(self.path, reader=self.reader)
         with _shared_gguf_reader(self.path, self.reader):
             self.ref = AutoTokenizer.from_pretrained(self.path.parent, gguf_file=self.path.name)

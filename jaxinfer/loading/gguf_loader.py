@@ -26,6 +26,7 @@ Reading the header of a file with a large vocabulary is slow (GGUFReader parses 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -95,10 +96,19 @@ def open_gguf(path_or_reader: str | Path | gguf.GGUFReader) -> gguf.GGUFReader:
     path = Path(path_or_reader).expanduser()
     if not path.is_file():
         raise ModelLoadError(f"GGUF file {path} does not exist")
+    stat = path.stat()
     try:
-        return FastGGUFReader(path)
+        return _parsed_reader(path, stat.st_size, stat.st_mtime_ns)
     except Exception as e:  # the reader fails in many ways on bad bytes (struct, numpy, enum, unicode)
         raise ModelLoadError(f"{path} is not a readable GGUF file: {_first_line(e)}") from e
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed_reader(path: Path, size: int, mtime_ns: int) -> FastGGUFReader:
+    """Parsing a large vocabulary's metadata takes seconds (Gemma 3's 262k tokens: ~8 s on a slow CPU), and
+    the reader is read-only: an unchanged file (same size and modification time) is parsed once per
+    process, however many loaders, tokenizers and runtimes open it."""
+    return FastGGUFReader(path)
 
 
 def _reader_path(reader: gguf.GGUFReader) -> Path:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -471,6 +472,21 @@ def paged_cache_config(num_slots: int, max_len: int, *, page_size: int = 8, dtyp
     return CacheConfig(
         num_pages=pages, page_size=page_size, max_len=max_len, num_slots=num_slots, dtype=dtype
     )
+
+
+@functools.cache
+def _jitted_forward():
+    import jax
+
+    from jaxinfer.models.transformer import forward
+
+    return jax.jit(forward, static_argnames=("config", "kernels"))
+
+
+def jit_forward(*args, **kwargs):
+    """`models.transformer.forward`, compiled once per shape: run op by op, one forward pass compiles
+    hundreds of small XLA programs."""
+    return _jitted_forward()(*args, **kwargs)
 
 
 def scattered_page_table(rows: int, pages_per_row: int, num_pages: int, seed: int = 0) -> np.ndarray:

@@ -16,7 +16,6 @@ import json
 from pathlib import Path
 
 import gguf
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -28,9 +27,8 @@ from jaxinfer.loading import load_model
 from jaxinfer.loading.hf_config import config_from_hf
 from jaxinfer.loading.safetensors_loader import hf_key_path, read_safetensors, safetensors_files
 from jaxinfer.models.families import family_for_hf
-from jaxinfer.models.transformer import forward
 from jaxinfer.sharding import make_mesh
-from jaxinfer.testing import paged_cache_config
+from jaxinfer.testing import jit_forward, paged_cache_config
 
 ATOL = 1e-4
 SEQ_LEN = 45
@@ -43,8 +41,6 @@ _TOP_GGUF_NAMES = {
     "final_norm": "output_norm.weight",
     "lm_head": "output.weight",
 }
-# One program per shape: run op by op, a forward pass compiles hundreds of small XLA programs.
-_forward = jax.jit(forward, static_argnames=("config", "kernels"))
 
 
 def randomize_and_save(model: torch.nn.Module, directory: Path, vocab_tokenizer=None) -> torch.nn.Module:
@@ -68,7 +64,7 @@ def full_logits(loaded, tokens: np.ndarray) -> np.ndarray:
     cache_config = paged_cache_config(rows, 64)
     cache = init_cache(loaded.config, cache_config, make_mesh())
     positions = np.where(tokens >= 0, np.arange(t)[None], -1).astype(np.int32)
-    logits, _ = _forward(
+    logits, _ = jit_forward(
         loaded.params, loaded.config, jnp.asarray(np.maximum(tokens, 0), jnp.int32), jnp.asarray(positions),
         cache, jnp.asarray(contiguous_page_table(rows, cache_config.pages_per_seq)),
     )  # fmt: skip
@@ -91,11 +87,11 @@ def assert_decode_equals_recompute(loaded, tokens: np.ndarray, full: np.ndarray,
     cache_config = paged_cache_config(1, 64)
     cache = init_cache(loaded.config, cache_config, make_mesh())
     table = jnp.asarray(contiguous_page_table(1, cache_config.pages_per_seq))
-    step = [_forward(loaded.params, loaded.config, jnp.asarray(tokens[:, :prefill], jnp.int32),
+    step = [jit_forward(loaded.params, loaded.config, jnp.asarray(tokens[:, :prefill], jnp.int32),
                     jnp.arange(prefill, dtype=jnp.int32)[None], cache, table)]  # fmt: skip
     got, cache = [np.asarray(step[0][0])], step[0][1]
     for i in range(prefill, t):
-        logits, cache = _forward(
+        logits, cache = jit_forward(
             loaded.params, loaded.config, jnp.asarray(tokens[:, i : i + 1], jnp.int32),
             jnp.full((1, 1), i, jnp.int32), cache, table,
         )  # fmt: skip

@@ -18,7 +18,7 @@ from jaxinfer.models.params import random_params
 from jaxinfer.models.transformer import XLA_KERNELS, forward
 from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
-from jaxinfer.testing import IdTokenizer, paged_cache_config, scattered_page_table
+from jaxinfer.testing import IdTokenizer, jit_forward, paged_cache_config, scattered_page_table
 
 LLAMA = ModelConfig(
     arch="llama", vocab_size=101, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
@@ -32,8 +32,6 @@ GEMMA = ModelConfig(
     norms="sandwich", embed_scale=8.0,
 )  # fmt: skip
 CONFIGS = {"llama": LLAMA, "gemma3": GEMMA}
-# One program per shape: run op by op, a forward pass compiles hundreds of small XLA programs.
-_jit_forward = jax.jit(forward, static_argnames=("config", "kernels"))
 
 
 def _full_logits(params, config, tokens: list[int], kernels: KernelConfig = XLA_KERNELS) -> np.ndarray:
@@ -41,7 +39,7 @@ def _full_logits(params, config, tokens: list[int], kernels: KernelConfig = XLA_
     cache = init_cache(config, paged_cache_config(1, 128), make_mesh())
     t = len(tokens)
     padded = jnp.zeros((1, 128), jnp.int32).at[0, :t].set(jnp.asarray(tokens, jnp.int32))
-    logits, _ = _jit_forward(
+    logits, _ = jit_forward(
         params, config, padded, jnp.arange(128, dtype=jnp.int32)[None], cache,
         jnp.asarray(contiguous_page_table(1, 16)), kernels=kernels,
     )  # fmt: skip
@@ -75,7 +73,7 @@ def test_cached_decode_equals_full_recompute(arch, page_size, dtype):
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2
 
     prompt = 9  # past Gemma's window of 7 by the end
-    logits, cache = _jit_forward(
+    logits, cache = jit_forward(
         params, config, jnp.asarray([tokens[:prompt]], jnp.int32), jnp.arange(prompt, dtype=jnp.int32)[None],
         cache, table[-1:],
     )  # fmt: skip
@@ -84,7 +82,7 @@ def test_cached_decode_equals_full_recompute(arch, page_size, dtype):
         # the last row decodes; the others hold no request (position -1: their writes go to the null page)
         step_tokens = jnp.asarray([[5]] * (slots - 1) + [[tokens[t]]], jnp.int32)
         positions = jnp.asarray([[-1]] * (slots - 1) + [[t]], jnp.int32)
-        logits, cache = _jit_forward(params, config, step_tokens, positions, cache, table)
+        logits, cache = jit_forward(params, config, step_tokens, positions, cache, table)
         check(np.asarray(logits[-1, 0]), expected[t])
 
 

@@ -3,16 +3,19 @@
 Programs, all compiled ahead of time and kept in a table keyed by their static shape bucket:
   prefill(T, N): one chunk of T tokens (bucketed) of one request, written into its pages, attending
                  over the first N pages of its page table (N: the page bucket that holds the chunk's
-                 end; a chunk after a cached prefix reads the prefix's pages too).
+                 end; a chunk after a cached prefix reads the prefix's pages too); its output is the
+                 hidden state of the chunk's last token.
+  prefill_sample: the token after a chunk, from that hidden state: one program for every (T, N), as
+                 the sampler costs about as much to compile as a small model's forward pass.
   decode(N, R):  one token for each of the first R slots (the smallest power of two holding every
                  listed slot), attending over N pages per row, the smallest page bucket that holds the
-                 longest row. Kernels that read each row to its own length (native, Pallas) need
-                 one page bucket: the whole page table.
+                 longest row, sampled in the same program. Kernels that read each row to its own
+                 length (native, Pallas) need one page bucket: the whole page table.
   verify(N, R):  speculative decoding (num_draft_tokens = k > 0): each of the first R slots runs its
                  last token and up to k drafts as k + 1 positions, keeps the drafts the model agrees
                  with and adds one token of its own (1 to k + 1 tokens per slot). A decode step is the
                  same function with no drafts.
-With draft heads, prefill and verify programs also propose each slot's next drafts.
+With draft heads, prefill samplers and verify programs also propose each slot's next drafts.
 Nothing else is traced while serving: `warmup()` compiles every bucket, and `compile_count` tells a test
 whether anything compiled later. With JAX's persistent compilation cache on, a second start reuses them.
 
@@ -123,13 +126,31 @@ def _propose(heads, params, config, kernels, hidden, token):
     return None if heads is None else propose(heads, params, config, hidden, token, heads.depth, kernels)
 
 
-def _prefill_step(
+def _prefill_forward(
     params: Params,
     state: DecodeState,
-    heads: DraftHeads | None,
     tokens: jax.Array,  # [1, T] int32, padded
     chunk: jax.Array,  # int32 [5]: slot, start, true_len, is_last, num_generated
     page_row: jax.Array,  # [1, N] int32: the request's first N pages
+    *,
+    config: ModelConfig,
+    kernels: KernelConfig,
+) -> tuple[DecodeState, jax.Array]:
+    """Writes one chunk's K/V into its pages: (state, the hidden state of its last token [1, hidden])."""
+    start, true_len = chunk[1], chunk[2]
+    offsets = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    positions = jnp.where(offsets < true_len, start + offsets, -1)[None]  # padding writes nothing
+    hidden, cache = forward_hidden(params, config, tokens, positions, state.cache, page_row, kernels=kernels)
+    last = jax.lax.dynamic_index_in_dim(hidden[0], jnp.maximum(true_len - 1, 0), keepdims=True)
+    return dataclasses.replace(state, cache=cache), last
+
+
+def _prefill_sample(
+    params: Params,
+    state: DecodeState,
+    heads: DraftHeads | None,
+    hidden: jax.Array,  # [1, hidden]: the chunk's last token (_prefill_forward)
+    chunk: jax.Array,  # int32 [5]: slot, start, true_len, is_last, num_generated
     counts_row: jax.Array,  # [1, vocab] int32: the tokens the request has seen (read when is_last)
     mask_row: jax.Array,  # [1, ceil(vocab / 32)] int32: tokens its first output may be (sampling.py)
     settings: SlotSampling,  # this request's settings, arrays of shape [1]
@@ -140,13 +161,9 @@ def _prefill_step(
     kernels: KernelConfig,
     max_len: int,
 ) -> tuple[DecodeState, jax.Array]:
+    """Samples a chunk's next token and sets up its slot: the one prefill program of every bucket."""
     slot, start, true_len = chunk[0], chunk[1], chunk[2]
     is_last, num_generated = chunk[3].astype(bool), chunk[4]
-    t = tokens.shape[1]
-    offsets = jnp.arange(t, dtype=jnp.int32)
-    positions = jnp.where(offsets < true_len, start + offsets, -1)[None]  # padding writes nothing
-    hidden, cache = forward_hidden(params, config, tokens, positions, state.cache, page_row, kernels=kernels)
-    hidden = jax.lax.dynamic_index_in_dim(hidden[0], jnp.maximum(true_len - 1, 0), keepdims=True)  # [1, h]
     logits = output_logits(params, config, hidden, kernels)
     token = sample(logits, counts_row, settings, num_generated[None], mask_row)  # [1]
     logprobs = _step_logprobs(logits, token[:, None], settings, 1)
@@ -160,8 +177,8 @@ def _prefill_step(
     def put(field, value):
         return field.at[slot].set(value)
 
-    state = DecodeState(
-        cache=cache,
+    state = dataclasses.replace(
+        state,
         tokens=put(state.tokens, token[0]),
         active=put(state.active, is_last & ~done[0]),
         generated=put(state.generated, generated),
@@ -177,35 +194,49 @@ def _prefill_step(
     return state, out
 
 
-def _decode_step(
-    params: Params,
-    state: DecodeState,
-    heads: DraftHeads | None,
-    positions: jax.Array,  # [R] int32: each row's input position, -1 for rows left out
-    page_table: jax.Array,  # [R, N] int32
-    mask: jax.Array,  # [R, ceil(vocab / 32)] int32: tokens each row may sample (sampling.py)
-    *,
-    config: ModelConfig,
-    kernels: KernelConfig,
-    max_len: int,
-) -> tuple[DecodeState, jax.Array]:
-    """One token for each of the first R slots (every listed slot lies below R: the scheduler fills
-    the lowest free slot first; a decode step costs every row it computes, so at low load a smaller
-    row bucket is several times faster on CPU): a verification step with no drafts, and no heads."""
-    no_drafts = jnp.zeros((positions.shape[0], 0), jnp.int32)
-    return _verify_step(
-        params, state, None, positions, no_drafts, page_table, mask, config=config, kernels=kernels,
-        max_len=max_len,
-    )  # fmt: skip
-
-
 def _all_slots(packed: jax.Array, num_slots: int) -> jax.Array:
     """A step's packed rows [n, w] for the first n slots, padded to every slot."""
     n = packed.shape[0]
     return packed if n == num_slots else jnp.pad(packed, ((0, num_slots - n), (0, 0)))
 
 
-def _verify_step(
+def _fed(state: DecodeState, positions: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Which rows step ([n]: listed and active) and which of their k + 1 inputs are real ([n, k + 1]:
+    the last token and the drafts before the first -1)."""
+    n, k = drafts.shape
+    active = state.active[:n] & (positions >= 0)
+    num_drafts = jnp.sum(jnp.cumprod(drafts >= 0, axis=1), axis=1)
+    return active, active[:, None] & (jnp.arange(k + 1, dtype=jnp.int32)[None] <= num_drafts[:, None])
+
+
+def _step_forward(
+    params: Params,
+    state: DecodeState,
+    positions: jax.Array,  # [R] int32: each row's input position, -1 for rows left out
+    drafts: jax.Array,  # [R, k] int32: drafts after each row's input token, -1 past its drafts
+    page_table: jax.Array,  # [R, N] int32, covering every draft's position
+    *,
+    config: ModelConfig,
+    kernels: KernelConfig,
+) -> tuple[DecodeState, jax.Array]:
+    """The model half of a decode step (k = 0) or a verification step: each of the first R slots runs
+    its last token and its k drafts as k + 1 positions. Returns (state, hidden states [R, k + 1, hidden]).
+
+    Every input's K/V entry is written; entries past a row's accepted tokens are left behind and
+    overwritten by the next step, which writes from the row's new length on (attention never reads
+    past a query's own position)."""
+    n = drafts.shape[0]
+    _, fed = _fed(state, positions, drafts)
+    inputs = jnp.concatenate([state.tokens[:n, None], jnp.maximum(drafts, 0)], axis=1)  # [n, t]
+    offsets = jnp.arange(fed.shape[1], dtype=jnp.int32)
+    hidden, cache = forward_hidden(
+        params, config, inputs, jnp.where(fed, positions[:, None] + offsets, -1), state.cache,
+        page_table, kernels=kernels,
+    )  # fmt: skip
+    return dataclasses.replace(state, cache=cache), hidden
+
+
+def _step(
     params: Params,
     state: DecodeState,
     heads: DraftHeads | None,
@@ -218,26 +249,41 @@ def _verify_step(
     kernels: KernelConfig,
     max_len: int,
 ) -> tuple[DecodeState, jax.Array]:
-    """A decode step that also verifies drafts: each row's last token and its k drafts run through
-    the model as k + 1 positions in one forward, sampling.verify_drafts keeps the drafts the target
-    agrees with, and the row outputs those plus the target's next token (1 to k + 1 tokens).
+    """A decode (k = 0) or verification step as one program: _step_forward, then _step_sample.
 
-    Every input's K/V entry is written; entries past a row's accepted tokens are left behind and
-    overwritten by the next step, which writes from the row's new length on (attention never reads
-    past a query's own position). The host owns the lengths: it learns each row's advance from
-    `num_tokens` in the result."""
+    Unlike prefill, the sampler is not a program of its own: a step runs every token, where a second
+    launch costs more than its compilation saves (SmolLM2 on XLA:CPU, one row: 0.3-1 ms of a ~9 ms
+    step), and with the native or Pallas attention a row bucket has one page bucket anyway."""
+    state, hidden = _step_forward(
+        params, state, positions, drafts, page_table, config=config, kernels=kernels
+    )
+    return _step_sample(
+        params, state, heads, hidden, positions, drafts, mask, config=config, kernels=kernels, max_len=max_len
+    )
+
+
+def _step_sample(
+    params: Params,
+    state: DecodeState,
+    heads: DraftHeads | None,
+    hidden: jax.Array,  # [R, k + 1, hidden] (_step_forward)
+    positions: jax.Array,  # [R] int32
+    drafts: jax.Array,  # [R, k] int32
+    mask: jax.Array,  # [R, ceil(vocab / 32)] int32: tokens each row's first output may be
+    *,
+    config: ModelConfig,
+    kernels: KernelConfig,
+    max_len: int,
+) -> tuple[DecodeState, jax.Array]:
+    """The sampling half of a step: sampling.verify_drafts
+    keeps the drafts the target agrees with, and each row outputs those plus the target's next token
+    (1 to k + 1 tokens; one with no drafts). The host owns the lengths: it learns each row's advance
+    from `num_tokens` in the result."""
     n, k = drafts.shape
     t, num_slots = k + 1, state.tokens.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32)
     offsets = jnp.arange(t, dtype=jnp.int32)
-    active = state.active[:n] & (positions >= 0)
-    num_drafts = jnp.sum(jnp.cumprod(drafts >= 0, axis=1), axis=1)
-    fed = active[:, None] & (offsets[None] <= num_drafts[:, None])  # inputs past a row's drafts: none
-    inputs = jnp.concatenate([state.tokens[:n, None], jnp.maximum(drafts, 0)], axis=1)  # [n, t]
-    hidden, cache = forward_hidden(
-        params, config, inputs, jnp.where(fed, positions[:, None] + offsets, -1), state.cache,
-        page_table, kernels=kernels,
-    )  # fmt: skip
+    active, fed = _fed(state, positions, drafts)
     logits = output_logits(params, config, hidden, kernels)  # [n, t, vocab]
     sampling = jax.tree.map(lambda a: a[:n], state.sampling)
     counts, generated = state.counts[:n], state.generated[:n]
@@ -260,7 +306,6 @@ def _verify_step(
 
     state = dataclasses.replace(
         state,
-        cache=cache,
         tokens=put(state.tokens, jnp.where(active, last_token, state.tokens[:n])),
         generated=put(state.generated, generated + num_tokens),
         active=put(state.active, state.active[:n] & ~done),
@@ -342,6 +387,7 @@ class JaxEngine(api.Engine):
         self.cache_config = cache_config
         # Weights on their PARAM_RULES shardings (a no-op when loaded with sharding.param_placement).
         self.params = shard_params(params, self.mesh)
+        self._sampler_params = {k: self.params[k] for k in _SAMPLER_PARAMS if k in self.params}
         max_len, page = cache_config.max_len, cache_config.page_size
         self._prefill_buckets = power_of_two_buckets(
             min(min_prefill_bucket, max_len), min(max_prefill_chunk, max_len)
@@ -452,15 +498,43 @@ class JaxEngine(api.Engine):
             if self._warm:
                 log.warning("compiling %s after warm-up: a bucket was missed", key)
             start = time.perf_counter()
-            replicated = NamedSharding(self.mesh, P())
-            step = {"prefill": _prefill_step, "decode": _decode_step, "verify": _verify_step}[key[0]]
-            fn = functools.partial(step, config=self.config, kernels=self.kernels, max_len=self.max_seq_len)
-            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), replicated))
+            step, samples = _STEPS[key[0]]
+            fn = functools.partial(step, config=self.config, kernels=self.kernels)
+            # A forward pass hands its hidden states to the sampler on whatever sharding XLA picks;
+            # the sampler's packed rows go to the host, so every device holds them.
+            out = NamedSharding(self.mesh, P()) if samples else None
+            if samples:
+                fn = functools.partial(fn, max_len=self.max_seq_len)
+            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), out))
             program = jitted.lower(*args).compile()
             self._programs[key] = program
             self.compile_count += 1
             log.debug("compiled %s in %.2fs", key, time.perf_counter() - start)
         return program
+
+    def _run(self, key: tuple, *args) -> jax.Array:
+        """Runs the program `key` over (params, state, *args), keeping its new state: its other output.
+        The prefill sampler gets the output layer and embeddings alone: each argument buffer costs
+        dispatch time (a layer's weights are a dozen)."""
+        params = self._sampler_params if key[0] == "prefill_sample" else self.params
+        args = (params, self.state, *args)
+        self.state, out = self._program(key, args)(*args)
+        return out
+
+    def _prefill_chunk(
+        self, tokens: np.ndarray, chunk: np.ndarray, page_row: np.ndarray, *sample_args
+    ) -> jax.Array:
+        """A chunk's two programs: the forward pass of its (T, N) bucket, then the one prefill sampler."""
+        hidden = self._run(("prefill", tokens.shape[1], page_row.shape[1]), tokens, chunk, page_row)
+        return self._run(("prefill_sample",), self.heads, hidden, chunk, *sample_args)
+
+    def _decode_step(
+        self, positions: np.ndarray, drafts: np.ndarray, page_table: np.ndarray, mask: jax.Array
+    ) -> jax.Array:
+        """A decode (no drafts: drafts [R, 0]) or verification step of the (N, R) bucket: packed rows."""
+        rows, pages = page_table.shape
+        kind, heads = ("verify", self.heads) if drafts.shape[1] else ("decode", None)
+        return self._run((kind, pages, rows), heads, positions, drafts, page_table, mask)
 
     def _mask_rows(self, masks: np.ndarray | None, rows: int) -> jax.Array:
         """Token masks [rows, words] in the model's vocabulary width, replicated: tokens a shorter
@@ -564,10 +638,7 @@ class JaxEngine(api.Engine):
                 np.asarray(chunk.prompt_token_ids, np.int64), minlength=self.config.vocab_size
             )[: self.config.vocab_size]
         mask_row = self._mask_rows(None if chunk.token_mask is None else chunk.token_mask[None], 1)
-        args = (
-            self.params,
-            self.state,
-            self.heads,
+        return self._prefill_chunk(
             tokens,
             np.array([chunk.slot, chunk.start, n, int(chunk.is_last), chunk.num_generated], np.int32),
             page_row,
@@ -577,9 +648,6 @@ class JaxEngine(api.Engine):
             np.array([s.max_tokens], np.int32),
             _stop_row(s.stop_token_ids),
         )
-        program = self._program(("prefill", t, pages), args)
-        self.state, packed = program(*args)
-        return packed
 
     def decode(self, batch: api.DecodeBatch) -> api.PendingStep:
         listed = np.flatnonzero(batch.positions >= 0)
@@ -587,6 +655,7 @@ class JaxEngine(api.Engine):
         verify = batch.drafts is not None
         positions = np.asarray(batch.positions[:rows], np.int32)
         reach = positions + 1  # positions each row's step writes
+        drafts = np.zeros((rows, 0), np.int32)
         if verify:
             k = self._num_draft_tokens
             if k == 0 or batch.drafts.shape[1] > k:
@@ -599,22 +668,18 @@ class JaxEngine(api.Engine):
         page_table = np.zeros((rows, pages), np.int32)
         width = min(pages, batch.page_table.shape[1])
         page_table[:, :width] = batch.page_table[:rows, :width]
-        mask = self._mask_rows(batch.token_mask, rows)
+        packed = self._decode_step(positions, drafts, page_table, self._mask_rows(batch.token_mask, rows))
         if verify:
-            args = (self.params, self.state, self.heads, positions, drafts, page_table, mask)
-            self.state, packed = self._program(("verify", pages, rows), args)(*args)
             return _Pending([packed], self._num_draft_tokens + 1, self.draft_heads_depth)
-        args = (self.params, self.state, self.heads, positions, page_table, mask)
-        self.state, packed = self._program(("decode", pages, rows), args)(*args)
         return _Pending([packed], 1, 0)
 
     def _prefill_args(self, t: int, pages: int) -> tuple:
         """Bucket-shaped arguments of a prefill that changes nothing: an empty chunk into slot 0 (its
         padding writes go to the null page), not the last one, so the slot stays inactive."""
         return (
-            self.params, self.state, self.heads, np.zeros((1, t), np.int32), np.zeros(5, np.int32),
-            np.zeros((1, pages), np.int32), np.zeros((1, self.config.vocab_size), np.int32),
-            self._mask_rows(None, 1), _settings(SamplingParams()), np.ones(1, np.int32), _stop_row(()),
+            np.zeros((1, t), np.int32), np.zeros(5, np.int32), np.zeros((1, pages), np.int32),
+            np.zeros((1, self.config.vocab_size), np.int32), self._mask_rows(None, 1),
+            _settings(SamplingParams()), np.ones(1, np.int32), _stop_row(()),
         )  # fmt: skip
 
     def warmup(self, prompt_lengths: Sequence[int] | None = None, max_new_tokens: int = 0) -> float:
@@ -661,24 +726,30 @@ class JaxEngine(api.Engine):
                 first, last = self._bucket(buckets, shortest), self._bucket(buckets, reach)
                 verify |= {(p, rows) for p in buckets if first <= p <= last}
         for t, pages in sorted(prefill):
-            args = self._prefill_args(t, pages)
-            self.state, _ = self._program(("prefill", t, pages), args)(*args)
-        for pages, rows in sorted(decode):
-            args = (
-                self.params, self.state, self.heads, np.full(rows, -1, np.int32),
+            self._prefill_chunk(*self._prefill_args(t, pages))
+        steps = [(pages, rows, 0) for pages, rows in decode]
+        steps += [(pages, rows, self._num_draft_tokens) for pages, rows in verify]
+        for pages, rows, k in sorted(steps):
+            self._decode_step(
+                np.full(rows, -1, np.int32), np.full((rows, k), -1, np.int32),
                 np.zeros((rows, pages), np.int32), self._mask_rows(None, rows),
             )  # fmt: skip
-            self.state, _ = self._program(("decode", pages, rows), args)(*args)
-        for pages, rows in sorted(verify):
-            args = (
-                self.params, self.state, self.heads, np.full(rows, -1, np.int32),
-                np.full((rows, self._num_draft_tokens), -1, np.int32), np.zeros((rows, pages), np.int32),
-                self._mask_rows(None, rows),
-            )  # fmt: skip
-            self.state, _ = self._program(("verify", pages, rows), args)(*args)
         jax.block_until_ready(self.state)
         self._warm = prompt_lengths is None
         return time.perf_counter() - start
+
+
+# What a sampler reads of the weights: the output layer (embed when tied) and, for draft heads, the
+# embeddings and the final norm's dtype.
+_SAMPLER_PARAMS = ("embed", "lm_head", "final_norm")
+
+# Each program's function, and whether it samples (its second output goes to the host).
+_STEPS = {
+    "prefill": (_prefill_forward, False),
+    "prefill_sample": (_prefill_sample, True),
+    "decode": (_step, True),
+    "verify": (_step, True),
+}
 
 
 def _settings(s: SamplingParams) -> SlotSampling:

@@ -262,7 +262,12 @@ def test_cache_is_donated_and_updated_in_place(llama_engine):
     assert before.is_deleted(), "the decode step did not consume (donate) the cache"
     decode_programs = [p for key, p in engine._programs.items() if key[0] == "decode"]
     assert len(decode_programs) == 2 * 3  # 8 and 16 pages (64, 128 positions) x row buckets 1, 2, 4
-    for program in decode_programs:
+    # Prefill: a forward program per (chunk, pages) bucket, all sampled by one program.
+    prefill_programs = [p for key, p in engine._programs.items() if key[0] == "prefill"]
+    assert len(prefill_programs) > 1
+    samplers = [p for key, p in engine._programs.items() if key[0] == "prefill_sample"]
+    assert len(samplers) == 1
+    for program in decode_programs + prefill_programs + samplers:
         assert "input_output_alias" in program.as_text()
 
 

@@ -251,9 +251,11 @@ def _step(
 ) -> tuple[DecodeState, jax.Array]:
     """A decode (k = 0) or verification step as one program: _step_forward, then _step_sample.
 
-    Unlike prefill, the sampler is not a program of its own: a step runs every token, where a second
-    launch costs more than its compilation saves (SmolLM2 on XLA:CPU, one row: 0.3-1 ms of a ~9 ms
-    step), and with the native or Pallas attention a row bucket has one page bucket anyway."""
+    Unlike prefill, the sampler is not a program of its own: a step runs every token, where handing
+    its hidden states to a second program costs more than the compilation it saves (on XLA:CPU, 3-12%
+    of a one-row SmolLM2 step; docs/benchmarks.md), and with the native or Pallas attention a row
+    bucket has one page bucket anyway. Every listed slot lies below R (the scheduler fills the lowest
+    free slot first): at low load a small row bucket is several times faster on CPU."""
     state, hidden = _step_forward(
         params, state, positions, drafts, page_table, config=config, kernels=kernels
     )
@@ -275,10 +277,9 @@ def _step_sample(
     kernels: KernelConfig,
     max_len: int,
 ) -> tuple[DecodeState, jax.Array]:
-    """The sampling half of a step: sampling.verify_drafts
-    keeps the drafts the target agrees with, and each row outputs those plus the target's next token
-    (1 to k + 1 tokens; one with no drafts). The host owns the lengths: it learns each row's advance
-    from `num_tokens` in the result."""
+    """The sampling half of a step: sampling.verify_drafts keeps the drafts the target agrees with,
+    and each row outputs those plus the target's next token (1 to k + 1 tokens; one with no drafts).
+    The host owns the lengths: it learns each row's advance from `num_tokens` in the result."""
     n, k = drafts.shape
     t, num_slots = k + 1, state.tokens.shape[0]
     rows = jnp.arange(n, dtype=jnp.int32)

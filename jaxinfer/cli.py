@@ -450,11 +450,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from jaxinfer.jit_mappings import MappingLimitError
     from jaxinfer.loading import ModelLoadError
 
     try:
         return args.func(args)
-    except (UserError, ValueError, ModelLoadError, ModelNotFoundError, FileNotFoundError) as e:
+    except (
+        UserError, ValueError, ModelLoadError, ModelNotFoundError, FileNotFoundError, MappingLimitError
+    ) as e:  # fmt: skip
         print(f"jaxinfer: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

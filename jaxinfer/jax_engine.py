@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import engine as api
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
+from jaxinfer.jit_mappings import MappingBudget
 from jaxinfer.kernel_dispatch import MAX_QUERIES_AS_ROWS, ROWS_AS_VECTORS, native_decode_attention
 from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.models.params import Params
@@ -726,15 +727,18 @@ class JaxEngine(api.Engine):
                 buckets = self._verify_page_buckets(rows)
                 first, last = self._bucket(buckets, shortest), self._bucket(buckets, reach)
                 verify |= {(p, rows) for p in buckets if first <= p <= last}
-        for t, pages in sorted(prefill):
-            self._prefill_chunk(*self._prefill_args(t, pages))
         steps = [(pages, rows, 0) for pages, rows in decode]
         steps += [(pages, rows, self._num_draft_tokens) for pages, rows in verify]
-        for pages, rows, k in sorted(steps):
+        budget = MappingBudget(len(prefill) + len(steps))
+        for done, (t, pages) in enumerate(sorted(prefill), 1):
+            self._prefill_chunk(*self._prefill_args(t, pages))
+            budget.check(done)
+        for done, (pages, rows, k) in enumerate(sorted(steps), len(prefill) + 1):
             self._decode_step(
                 np.full(rows, -1, np.int32), np.full((rows, k), -1, np.int32),
                 np.zeros((rows, pages), np.int32), self._mask_rows(None, rows),
             )  # fmt: skip
+            budget.check(done)
         jax.block_until_ready(self.state)
         self._warm = prompt_lengths is None
         return time.perf_counter() - start

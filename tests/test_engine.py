@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer import jit_mappings
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.engine import FINISH_LENGTH, FINISH_STOP, DecodeBatch, PrefillChunk
 from jaxinfer.generate import generate
@@ -253,6 +254,17 @@ def test_warmup_runs_each_program_without_touching_the_state():
     np.testing.assert_array_equal(np.asarray(after.cache.v)[usable], before.cache.v[usable])
     # decode over rows it does not list leaves them as they were
     np.testing.assert_array_equal(np.asarray(after.generated)[1:], before.generated[1:])
+
+
+def test_warmup_stops_before_the_mapping_limit_with_an_error(monkeypatch):
+    """A limit just above what the process holds: warm-up stops after one program, with the fix in its
+    message, instead of compiling until LLVM aborts the process."""
+    params = random_params(LLAMA, seed=1)
+    engine = JaxEngine(params, LLAMA, paged_cache_config(2, 64), max_prefill_chunk=16)
+    monkeypatch.setattr(jit_mappings, "mapping_limit", lambda: jit_mappings.mapping_count() + 10)
+    with pytest.raises(jit_mappings.MappingLimitError, match="vm.max_map_count"):
+        engine.warmup()
+    assert engine.compile_count <= 2  # the first prefill and its sampler
 
 
 def test_cache_is_donated_and_updated_in_place(llama_engine):

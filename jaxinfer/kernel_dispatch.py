@@ -271,12 +271,11 @@ MAX_QUERIES_AS_ROWS = 8
 
 def native_decode_attention(kernels: KernelConfig, cache, head_dim: int, rows: int) -> bool:
     """Whether a decode step over `rows` rows attends through the C++ kernel: attention "native", at
-    least `kernels.native_attention_min_rows` rows and pages the kernel reads (float32 or bfloat16 bit
-    patterns; an int8 cache stays on XLA)."""
+    least `kernels.native_attention_min_rows` rows and pages the kernel reads (float32, bfloat16 bit
+    patterns, or int8 with their scales)."""
     return (
         kernels.attention == "native"
         and rows >= kernels.native_attention_min_rows
-        and not cache.quantized
         and decode_attention_supports(cache.k.dtype, head_dim)
     )
 
@@ -296,6 +295,6 @@ def decode_attention_native(
     gather), each row up to its own length."""
     out = decode_attention_cpu(
         q[:, 0], cache.k, cache.v, page_table, lengths, layer=layer, scale=scale,
-        sliding_window=sliding_window, softcap=softcap,
+        sliding_window=sliding_window, softcap=softcap, k_scale=cache.k_scale, v_scale=cache.v_scale,
     )  # fmt: skip
     return out[:, None].astype(q.dtype)

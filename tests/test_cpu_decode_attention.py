@@ -51,6 +51,12 @@ def _storage(x, cache_dtype: str) -> jax.Array:
     return _bf16_bits(x) if cache_dtype == "bf16bits" else jnp.asarray(x, jnp.float32)
 
 
+def _int8_pages(rng, shape) -> tuple[jax.Array, jax.Array]:
+    """Random int8 pages [..., d] and their positive per-position scales [...] (kv_cache.py's int8 form)."""
+    pages = jnp.asarray(rng.integers(-127, 128, size=shape), jnp.int8)
+    return pages, jnp.asarray(rng.uniform(0.002, 0.03, size=shape[:-1]), jnp.float32)
+
+
 def _widen(pages: jax.Array) -> np.ndarray:
     if pages.dtype == jnp.uint16:
         pages = jax.lax.bitcast_convert_type(pages, jnp.bfloat16)
@@ -63,7 +69,7 @@ def _rel(got, want) -> float:
 
 @needs_kernel
 @pytest.mark.parametrize("isa", CPU_ISAS)
-@pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits", "int8"])
 # (rows, kv heads, query heads, page size, pages per row, head dim, window, softcap): GQA groups of 3, 4,
 # 9 (more than one pass of 8 heads), 3 and 7, 8; pages of 1, 16, 24, 64 and 128 positions; head dims
 # taking each width of the value pass (16, 48: one 16-wide chunk; 32: two; 64, 256: four or two).
@@ -83,7 +89,12 @@ def test_kernel_matches_its_reference(
 ):
     rng = np.random.default_rng(page_size * 1000 + dim)
     pages = rows * width + 3
-    k, v = (_storage(rng.normal(size=(2, kv, pages, page_size, dim)), cache_dtype) for _ in range(2))
+    shape = (2, kv, pages, page_size, dim)
+    scales = {}
+    if cache_dtype == "int8":
+        (k, scales["k_scale"]), (v, scales["v_scale"]) = _int8_pages(rng, shape), _int8_pages(rng, shape)
+    else:
+        k, v = (_storage(rng.normal(size=shape), cache_dtype) for _ in range(2))
     q = jnp.asarray(rng.normal(size=(rows, heads, dim)) * 3.0, jnp.float32)  # peaked softmaxes too
     # Any page anywhere, shared or not: the table is all the kernel goes by.
     table = jnp.asarray(rng.integers(0, pages, size=(rows, width)), jnp.int32)
@@ -91,7 +102,7 @@ def test_kernel_matches_its_reference(
     positions = width * page_size
     lengths = jnp.asarray(rng.integers(2, positions, size=rows), jnp.int32).at[0].set(positions)
     lengths = lengths.at[1].set(0) if rows > 2 else lengths.at[1].set(1)
-    kwargs = dict(layer=1, scale=dim**-0.5, sliding_window=window, softcap=softcap)
+    kwargs = dict(layer=1, scale=dim**-0.5, sliding_window=window, softcap=softcap, **scales)
     got = jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs, isa=isa))(q, k, v, table, lengths)
     want = decode_attention_cpu_reference(q, k, v, table, lengths, **kwargs)
     assert got.shape == (rows, heads, dim) and got.dtype == jnp.float32
@@ -225,6 +236,13 @@ def test_bad_shapes_are_refused_clearly():
         decode_attention_cpu(q, pages, pages[:, :, :4], table, lengths, **kwargs)
     with pytest.raises(ValueError, match="unknown ISA"):
         decode_attention_cpu(q, pages, pages, table, lengths, **kwargs, isa="sse2")
+    int8, scales = jnp.zeros(pages.shape, jnp.int8), jnp.ones(pages.shape[:-1], jnp.float32)
+    with pytest.raises(ValueError, match="k_scale"):
+        decode_attention_cpu(q, int8, int8, table, lengths, **kwargs)  # int8 pages without their scales
+    with pytest.raises(ValueError, match="v_scale"):
+        decode_attention_cpu(q, int8, int8, table, lengths, **kwargs, k_scale=scales, v_scale=scales[..., :4])
+    with pytest.raises(ValueError, match="k_scale"):
+        decode_attention_cpu(q, pages, pages, table, lengths, **kwargs, k_scale=scales, v_scale=scales)
     # The FFI handler checks too, for callers that bypass the wrapper.
     target = _decode_attention.KERNEL.target(_decode_attention.SYMBOLS["float32"])
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
@@ -235,7 +253,7 @@ def test_bad_shapes_are_refused_clearly():
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtype, rows):
     from jaxinfer.config import KernelConfig
@@ -251,7 +269,12 @@ def test_cached_decode_through_the_kernel_equals_full_recompute(arch, cache_dtyp
     kernels = KernelConfig(attention="native", native_attention_min_rows=1)
     got = teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype=cache_dtype)
     rel = np.linalg.norm(got - expected) / np.linalg.norm(expected)
-    assert rel < (1e-5 if cache_dtype == "float32" else 1e-2), rel
+    assert rel < {"float32": 1e-5, "bfloat16": 1e-2, "int8": 2e-2}[cache_dtype], rel
+    if cache_dtype == "int8":  # the same quantised pages through XLA's attention: only rounding apart
+        xla = teacher_forced_decode_logits(
+            params, config, tokens, KernelConfig(), rows=rows, cache_dtype="int8"
+        )
+        assert np.linalg.norm(got - xla) / np.linalg.norm(xla) < 1e-4
 
 
 @needs_kernel
@@ -278,10 +301,10 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
     native.warmup()
     xla.warmup()
     assert native.compile_count < xla.compile_count
-    # An int8 cache is not one the kernel reads: XLA attention, with its buckets.
+    # int8 pages too: the kernel reads them with their scales.
     int8 = JaxEngine(params, config, paged_cache_config(4, 128, page_size=16, dtype="int8"),
                      kernels=KernelConfig(attention="native"))  # fmt: skip
-    assert not int8.native_decode_attention(4)
+    assert int8.native_decode_attention(4) and int8._decode_page_buckets(4) == (8,)
 
 
 @needs_kernel

@@ -2,8 +2,9 @@
 // call.
 //
 // q          f32 [R, H, D]        the new query of each of R rows
-// k, v       [L, KV, P, S, D]     the page pool of every layer: float32, or bfloat16 held as uint16 bits;
-//                                 the S * D values of one (layer, KV head, page) are contiguous
+// k, v       [L, KV, P, S, D]     the page pool of every layer: float32, bfloat16 held as uint16 bits, or
+//                                 int8; the S * D values of one (layer, KV head, page) are contiguous
+// k_scale, v_scale f32 [L, KV, P, S]  int8 pages only: each position's scale (value = int8 * scale)
 // page_table s32 [R, W]           key position t of row r lives at page page_table[r, t / S], offset t % S
 // lengths    s32 [R]              keys per row including the new one (the query sits at length - 1); 0 for
 //                                 an inactive row (zeros out). Clamped to W * S.
@@ -52,6 +53,9 @@ inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec Load(const uint16_t* p) {  // bfloat16 bits -> float32: the high half of each word
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+inline Vec Load(const int8_t* p) {  // int8 -> float32, unscaled (scores and weights take the scales)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 inline Vec LoadAligned(const float* p) { return _mm512_load_ps(p); }
 inline void Store(float* p, Vec x) { _mm512_storeu_ps(p, x); }
@@ -135,6 +139,9 @@ inline Vec Load(const uint16_t* p) {  // bfloat16 bits -> float32: the high half
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
+inline Vec Load(const int8_t* p) {  // int8 -> float32, unscaled (scores and weights take the scales)
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 inline Vec LoadAligned(const float* p) { return _mm256_load_ps(p); }
 inline void Store(float* p, Vec x) { _mm256_storeu_ps(p, x); }
 inline void StoreAligned(float* p, Vec x) { _mm256_store_ps(p, x); }
@@ -207,6 +214,8 @@ struct Problem {
   const void* v;
   const int32_t* page_table;
   const int32_t* lengths;
+  const float* k_scale;  // int8 pages: [L, KV, P, S]; else null
+  const float* v_scale;
   float* out;
   int64_t rows, heads, kv_heads, pages, page_size, dim, table_width, layer, window;
   float scale, softcap;
@@ -351,13 +360,29 @@ void Values(const Problem& p, const int32_t* table, const T* values, const float
   }
 }
 
+// The per-position scales of an int8 row's keys [start, end), gathered from their pages: scales[j] for key
+// start + j (the pool's scales are laid out as its values without the d axis).
+inline void GatherScales(const Problem& p, const int32_t* table, const float* pool, int64_t start, int64_t end,
+                         float* scales) {
+  ForEachRun(p, table, start, end, [&](const Run& run) {
+    std::copy_n(pool + run.at / p.dim, run.count, scales + run.index);
+  });
+}
+
+// x[g * stride + j] *= scales[j] for the G heads' first n entries.
+inline void ScaleByKey(float* x, const float* scales, int groups, int64_t stride, int64_t n) {
+  for (int g = 0; g < groups; ++g)
+    for (int64_t j = 0; j < n; ++j) x[g * stride + j] *= scales[j];
+}
+
 // Query heads [h0, h0 + G) of one row against keys/values [start, end) of their KV head.
 template <typename T, int G>
 void HeadGroup(const Problem& p, const int32_t* table, const T* keys, const T* values, const float* q, float* out,
-               int64_t start, int64_t end, std::vector<float>& scores) {
+               int64_t start, int64_t end, const float* k_scale, const float* v_scale, std::vector<float>& scores) {
   const int64_t n = end - start, stride = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(G * stride);
   Scores<T, G>(p, table, keys, q, start, end, stride, scores.data());
+  if (k_scale != nullptr) ScaleByKey(scores.data(), k_scale, G, stride, n);
   // Softmax numerators per head, vectorised over positions; the padding past n is masked out.
   float inverse_sum[G];
   for (int g = 0; g < G; ++g) {
@@ -378,6 +403,7 @@ void HeadGroup(const Problem& p, const int32_t* table, const T* keys, const T* v
     }
     inverse_sum[g] = 1.0f / ReduceAdd(total);
   }
+  if (v_scale != nullptr) ScaleByKey(scores.data(), v_scale, G, stride, n);  // weights take V's scales
   // Values: as many kLanes-wide chunks of d per pass over the keys as fit the registers.
   const int64_t chunks = p.dim / kLanes;
   if constexpr (ValueRegisters(G, 4) <= kValueRegisters) {
@@ -404,13 +430,22 @@ void RowHead(const Problem& p, int64_t item) {
   const T* keys = static_cast<const T*>(p.k) + pool;
   const T* values = static_cast<const T*>(p.v) + pool;
   const int32_t* table = p.page_table + r * p.table_width;
-  thread_local std::vector<float> scores;
+  thread_local std::vector<float> scores, scales;
+  const float *k_scale = nullptr, *v_scale = nullptr;
+  if (p.k_scale != nullptr) {  // this row's scales, contiguous: [0, n) for K, [n, 2n) for V
+    const int64_t n = end - start, scale_pool = pool / d;
+    scales.resize(2 * n);
+    GatherScales(p, table, p.k_scale + scale_pool, start, end, scales.data());
+    GatherScales(p, table, p.v_scale + scale_pool, start, end, scales.data() + n);
+    k_scale = scales.data();
+    v_scale = scales.data() + n;
+  }
   for (int64_t g = 0; g < group;) {
     const int64_t qo = g * d;
     switch (std::min<int64_t>(group - g, kHeadGroup)) {
 #define JAXINFER_HEAD_GROUP(N)                                                                  \
   case N:                                                                                       \
-    HeadGroup<T, N>(p, table, keys, values, q + qo, out + qo, start, end, scores); \
+    HeadGroup<T, N>(p, table, keys, values, q + qo, out + qo, start, end, k_scale, v_scale, scores); \
     g += N;                                                                                     \
     break;
       JAXINFER_HEAD_GROUP(8)
@@ -428,10 +463,10 @@ void RowHead(const Problem& p, int64_t item) {
 }
 
 template <ffi::DataType CacheType>
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<CacheType> k,
-                           ffi::Buffer<CacheType> v, ffi::Buffer<ffi::S32> page_table,
-                           ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                           int64_t window, float scale, float softcap) {
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<CacheType> k, ffi::Buffer<CacheType> v,
+                  const float* k_scale, const float* v_scale, ffi::Buffer<ffi::S32> page_table,
+                  ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t window,
+                  float scale, float softcap) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = page_table.dimensions();
   const bool same_kv = kd.size() == vd.size() && std::equal(kd.begin(), kd.end(), vd.begin());
   if (qd.size() != 3 || kd.size() != 5 || !same_kv || td.size() != 2)
@@ -446,8 +481,10 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   if (kd[2] < 1 || kd[3] < 1 || layer < 0 || layer >= kd[0])
     return ffi::Error::InvalidArgument("decode_attention: need pages P >= 1, page size S >= 1, 0 <= layer < L");
   Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(), page_table.typed_data(), lengths.typed_data(),
-            out->typed_data(), qd[0], qd[1], kd[1], kd[2], kd[3], kd[4], td[1], layer, window, scale, softcap};
-  using T = std::conditional_t<CacheType == ffi::DataType::F32, float, uint16_t>;
+            k_scale, v_scale, out->typed_data(), qd[0], qd[1], kd[1], kd[2], kd[3], kd[4], td[1], layer, window,
+            scale, softcap};
+  using T = std::conditional_t<CacheType == ffi::DataType::F32, float,
+                               std::conditional_t<CacheType == ffi::DataType::S8, int8_t, uint16_t>>;
   int64_t keys = 0;  // keys read by all rows: the work is ~2 * heads * dim multiply-adds per key
   for (int64_t r = 0; r < p.rows; ++r) {
     const int64_t end = std::clamp<int64_t>(p.lengths[r], 0, p.table_width * p.page_size);
@@ -456,6 +493,29 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   jaxinfer::ParallelFor(pool, p.rows * p.kv_heads, 2 * keys * p.heads * p.dim,
                         [&p](int64_t item) { RowHead<T>(p, item); });
   return ffi::Error::Success();
+}
+
+template <ffi::DataType CacheType>
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<CacheType> k,
+                           ffi::Buffer<CacheType> v, ffi::Buffer<ffi::S32> page_table,
+                           ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
+                           int64_t window, float scale, float softcap) {
+  return Attend<CacheType>(pool, q, k, v, nullptr, nullptr, page_table, lengths, out, layer, window, scale,
+                           softcap);
+}
+
+ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
+                               ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                               ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
+                               ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t window, float scale,
+                               float softcap) {
+  const auto kd = k.dimensions(), ks = k_scale.dimensions(), vs = v_scale.dimensions();
+  const bool fits = kd.size() == 5 && ks.size() == 4 && vs.size() == 4 && std::equal(ks.begin(), ks.end(), kd.begin()) &&
+                    std::equal(vs.begin(), vs.end(), kd.begin());
+  if (!fits)
+    return ffi::Error::InvalidArgument("decode_attention: int8 pages [L, KV, P, S, D] want scales [L, KV, P, S]");
+  return Attend<ffi::DataType::S8>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), page_table, lengths,
+                                   out, layer, window, scale, softcap);
 }
 
 }  // namespace
@@ -477,3 +537,19 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 JAXINFER_DECODE_ATTENTION(JAXINFER_SYMBOL(jaxinfer_decode_attention_f32), ffi::DataType::F32)
 JAXINFER_DECODE_ATTENTION(JAXINFER_SYMBOL(jaxinfer_decode_attention_bf16bits), ffi::DataType::U16)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_decode_attention_int8), DecodeAttentionInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("layer")
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));

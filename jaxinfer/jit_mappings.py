@@ -41,30 +41,30 @@ def mapping_limit() -> int | None:
 class MappingBudget:
     """Checks, program by program, that compiling `num_programs` programs stays within the limit.
 
-    check(done) after each compiled program projects the remaining programs at the most mappings any one
-    has taken so far, and raises MappingLimitError when the projection passes the limit (less headroom).
+    check(done) after each compiled program projects the remaining programs at the mean mappings a program
+    has taken so far (the first also pays one-time mappings: thread pools, buffers), and raises
+    MappingLimitError when the projection passes the limit (less headroom).
     """
 
     def __init__(self, num_programs: int):
         self.num_programs = num_programs
         self.limit = mapping_limit()
-        self._last = self._start = mapping_count() if self.limit is not None else None
-        self.most_per_program = 0
+        self._start = mapping_count() if self.limit is not None else None
+        self.per_program = 0
 
     def check(self, done: int) -> None:
-        if self._last is None:
+        if self._start is None:
             return
         now = mapping_count()
         if now is None:
             return
-        self.most_per_program = max(self.most_per_program, now - self._last)
-        self._last = now
+        self.per_program = -(-(now - self._start) // done)
         remaining = self.num_programs - done
-        projected = now + remaining * self.most_per_program
+        projected = now + remaining * self.per_program
         if remaining > 0 and projected > (1 - _HEADROOM) * self.limit:
             raise MappingLimitError(
                 f"compiling all {self.num_programs} programs would take about {projected:,} memory mappings "
-                f"(~{self.most_per_program:,} a program on XLA:CPU, {now:,} held after {done}), past this "
+                f"(~{self.per_program:,} a program on XLA:CPU, {now:,} held after {done}), past this "
                 f"system's limit of {self.limit:,} (vm.max_map_count) less {_HEADROOM:.0%} headroom; the "
                 "process would abort mid-compilation. Raise the limit (`sysctl -w vm.max_map_count=262144`, "
                 "as root) or compile fewer programs: a lower --max-running (row buckets) or --max-len "

@@ -5,7 +5,7 @@ memory mappings (code, read-only data, writable data) that the kernel cannot mer
 program of a 30-layer model is ~270 kernels, ~800 mappings. Linux allows a process `vm.max_map_count`
 mappings (65,530 by default), so ~80 such programs exhaust it, and LLVM then aborts the whole process
 in the middle of a compilation ("Unable to allocate section memory"). A server's warm-up compiles every
-bucket it can hit (`--max-running 64` with int8 pages: more than 80 programs), so it projects the
+bucket it can hit (`--max-running 64 --max-len 2048`: ~85 programs), so it projects the
 mappings from the programs it has compiled and stops with an error that says what to change, before
 the process dies minutes into its start.
 """

@@ -510,8 +510,8 @@ ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t window, float scale,
                                float softcap) {
   const auto kd = k.dimensions(), ks = k_scale.dimensions(), vs = v_scale.dimensions();
-  const bool fits = kd.size() == 5 && ks.size() == 4 && vs.size() == 4 && std::equal(ks.begin(), ks.end(), kd.begin()) &&
-                    std::equal(vs.begin(), vs.end(), kd.begin());
+  const bool fits = kd.size() == 5 && ks.size() == 4 && vs.size() == 4 &&
+                    std::equal(ks.begin(), ks.end(), kd.begin()) && std::equal(vs.begin(), vs.end(), kd.begin());
   if (!fits)
     return ffi::Error::InvalidArgument("decode_attention: int8 pages [L, KV, P, S, D] want scales [L, KV, P, S]");
   return Attend<ffi::DataType::S8>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), page_table, lengths,

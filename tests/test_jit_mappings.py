@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from jaxinfer import jit_mappings
@@ -37,8 +39,9 @@ def test_budget_does_nothing_where_the_system_does_not_say(monkeypatch):
     MappingBudget(num_programs=5).check(1)
 
 
-def test_the_real_counts_are_read_on_linux():
+def test_the_real_counts_are_read_where_the_system_has_them():
     count, limit = jit_mappings.mapping_count(), jit_mappings.mapping_limit()
-    if limit is None:
-        pytest.skip("no /proc/sys/vm/max_map_count (not Linux)")
-    assert 0 < count < limit
+    if sys.platform.startswith("linux"):
+        assert limit is not None and 0 < count < limit
+    else:  # no /proc: the budget stands aside
+        assert count is None and limit is None

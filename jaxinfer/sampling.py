@@ -59,15 +59,15 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     """logits: [slots, vocab]; mask: [slots, ceil(vocab / 32)] int32, bit i of word w allows token
     32 * w + i. Rows whose mask allows everything are unchanged, and when every row does (no request
     is constrained) the unpacking is skipped."""
-    vocab = logits.shape[-1]
+    return jax.lax.cond(jnp.all(mask == ALLOW_ALL), lambda: logits, lambda: _masked(logits, mask))
 
-    def masked() -> jax.Array:
-        shifts = jnp.arange(32, dtype=jnp.int32)
-        bits = (mask[:, :, None] >> shifts) & 1  # [slots, words, 32]
-        allowed = bits.reshape(mask.shape[0], -1)[:, :vocab] == 1
-        return jnp.where(allowed, logits, -jnp.inf)
 
-    return jax.lax.cond(jnp.all(mask == ALLOW_ALL), lambda: logits, masked)
+def _masked(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """apply_token_mask without the branch: -inf wherever the mask's bit is clear."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (mask[:, :, None] >> shifts) & 1  # [slots, words, 32]
+    allowed = bits.reshape(mask.shape[0], -1)[:, : logits.shape[-1]] == 1
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def token_logprobs(
@@ -255,21 +255,37 @@ def verify_drafts(
     n, t, vocab = logits.shape
     targets = jnp.concatenate([drafts, jnp.full((n, 1), -1, jnp.int32)], axis=1)  # [n, T]
 
-    def plain_greedy() -> tuple[jax.Array, jax.Array]:
-        greedy = greedy_tokens(logits.reshape(n * t, vocab)).reshape(n, t)
+    def greedy_only(masked: bool) -> tuple[jax.Array, jax.Array]:
+        flat = logits.reshape(n * t, vocab)
+        if masked:  # constrained slots draft nothing: the mask binds their one position
+            flat = _masked(flat, _first_position(mask, t))
+        greedy = greedy_tokens(flat).reshape(n, t)
         return _accepted_run(targets, (targets >= 0) & (greedy == targets), greedy)
 
-    # The serving common case (greedy, no penalty, no grammar) reads the logits once. Both branches
-    # return a few ints per row: a branch that passed the [n * T, vocab] logits through unchanged
-    # would copy them (XLA:CPU, Gemma's 262k vocabulary at 16 rows: ~1 ms a copy).
-    plain = ~jnp.any(_has_penalty(s)) & ~jnp.any(s.temperature > 0) & jnp.all(mask == ALLOW_ALL)
-    return jax.lax.cond(
-        plain, plain_greedy, lambda: _verify_adjusted(logits, targets, counts, s, steps, mask)
+    # Greedy without penalties (the serving common case; structured output's usual one with the mask)
+    # reads the logits once. Every branch returns a few ints per row: a branch that passed the
+    # [n * T, vocab] logits through unchanged would copy them (XLA:CPU, Gemma's 262k vocabulary at 16
+    # rows: ~1 ms a copy).
+    greedy = ~jnp.any(_has_penalty(s)) & ~jnp.any(s.temperature > 0)
+    branch = jnp.where(greedy, jnp.where(jnp.all(mask == ALLOW_ALL), 0, 1), 2)
+    return jax.lax.switch(
+        branch,
+        [
+            lambda: greedy_only(False),
+            lambda: greedy_only(True),
+            lambda: _verify_adjusted(logits, targets, counts, s, steps, mask),
+        ],
     )
 
 
 def _has_penalty(s: SlotSampling) -> jax.Array:
     return (s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0)
+
+
+def _first_position(mask: jax.Array, t: int) -> jax.Array:
+    """Masks [n, words] for the first of each slot's t positions, allow-all for the rest: [n * t, words]."""
+    n, words = mask.shape
+    return jnp.concatenate([mask[:, None], jnp.full((n, t - 1, words), ALLOW_ALL)], axis=1).reshape(n * t, -1)
 
 
 def _accepted_run(targets: jax.Array, accept: jax.Array, own: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -295,8 +311,7 @@ def _verify_adjusted(logits, targets, counts, s, steps, mask) -> tuple[jax.Array
         return apply_penalties(flat, seen.reshape(n * t, vocab), s_rows)
 
     flat = jax.lax.cond(jnp.any(_has_penalty(s)), penalised, lambda: flat)
-    first_only = jnp.concatenate([mask[:, None], jnp.full((n, t - 1, mask.shape[-1]), ALLOW_ALL)], axis=1)
-    flat = apply_token_mask(flat, first_only.reshape(n * t, -1))
+    flat = apply_token_mask(flat, _first_position(mask, t))
 
     greedy = greedy_tokens(flat).reshape(n, t)
     flat_targets = targets.reshape(-1)

@@ -19,6 +19,7 @@ from jaxinfer.sampling import (
     sample,
     split_seed,
     token_logprobs,
+    verify_drafts,
 )
 from jaxinfer.structured_output import allow_all, mask_words
 
@@ -117,17 +118,21 @@ def test_penalties_match_transformers_processors(logits):
     )
 
 
+def _mask_of(allowed: np.ndarray) -> np.ndarray:
+    """[rows, vocab] bool -> [rows, words] int32 bitmasks (bit i of word w: token 32 * w + i)."""
+    rows, vocab = allowed.shape
+    bits = np.zeros((rows, mask_words(vocab) * 32), bool)
+    bits[:, :vocab] = allowed
+    return np.packbits(bits.reshape(rows, -1, 32)[:, :, ::-1], axis=2).view(">u4")[..., 0].astype(np.int32)
+
+
 @pytest.mark.parametrize("vocab", [50, 97, 600])
 def test_token_mask_keeps_exactly_the_allowed_tokens(vocab):
     rng = np.random.default_rng(vocab)
     logits = rng.normal(size=vocab).astype(np.float32)
     allowed = rng.random(vocab) < 0.2
     allowed[rng.integers(vocab)] = True
-    bits = np.zeros(mask_words(vocab) * 32, bool)
-    bits[:vocab] = allowed
-    mask = (
-        np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4")[:, 0].astype(np.uint32).view(np.int32)
-    )
+    mask = _mask_of(allowed[None])[0]
     masked = np.asarray(apply_token_mask(jnp.asarray(logits[None]), jnp.asarray(mask[None])))[0]
     np.testing.assert_array_equal(np.isfinite(masked), allowed)
     np.testing.assert_array_equal(masked[allowed], logits[allowed])
@@ -136,6 +141,43 @@ def test_token_mask_keeps_exactly_the_allowed_tokens(vocab):
     )
     tokens = _draw(logits, 300, mask=mask, temperature=2.0)
     assert set(tokens) <= set(np.flatnonzero(allowed)) and len(set(tokens)) > min(3, allowed.sum() - 1)
+
+
+@pytest.mark.parametrize("case", ["greedy", "greedy_masked", "penalised"])
+def test_greedy_verification_is_the_argmax_of_the_adjusted_logits_in_every_branch(case):
+    """verify_drafts picks one of three branches (plain greedy, greedy under a grammar, the general
+    one); each must give the argmax of the logits after the penalty and the first position's mask."""
+    rng = np.random.default_rng(7)
+    n, t, vocab = 3, 3, 301
+    logits = rng.normal(size=(n, t, vocab)).astype(np.float32)
+    drafts = np.array([[int(np.argmax(logits[0, 0])), 5], [-1, -1], [9, -1]], np.int32)  # row 0: one hit
+    allowed = np.ones((n, vocab), bool)
+    if case == "greedy_masked":
+        allowed[1] = rng.random(vocab) < 0.1  # row 1 is constrained (and drafts nothing)
+        allowed[1, rng.integers(vocab)] = True
+    counts = np.zeros((n, vocab), np.int32)
+    s = _settings(n, temperature=0.0)
+    if case == "penalised":
+        counts[2, rng.integers(vocab, size=40)] = 1
+        s = dataclasses.replace(s, presence_penalty=jnp.array([0.0, 0.0, 3.0]))
+    tokens, accepted = jax.jit(verify_drafts)(
+        jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(counts), s, jnp.zeros(n, jnp.int32),
+        jnp.asarray(_mask_of(allowed)),
+    )  # fmt: skip
+    for row in range(n):
+        adjusted = logits[row].copy()
+        if case == "penalised":  # drafts before a position count as seen too
+            seen = counts[row].astype(bool)
+            for j in range(t):
+                adjusted[j] -= np.where(seen, float(s.presence_penalty[row]), 0.0)
+                if j < t - 1 and drafts[row, j] >= 0:
+                    seen[drafts[row, j]] = True
+        adjusted[0] = np.where(allowed[row], adjusted[0], -np.inf)
+        want_accepted = 0
+        while want_accepted < t - 1 and drafts[row, want_accepted] == np.argmax(adjusted[want_accepted]):
+            want_accepted += 1
+        assert int(accepted[row]) == want_accepted
+        assert int(tokens[row, want_accepted]) == np.argmax(adjusted[want_accepted])
 
 
 def test_token_logprobs_are_the_log_softmax_and_its_top_k(logits):

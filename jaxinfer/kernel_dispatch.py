@@ -47,8 +47,9 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     `x @ w.T` beats the equivalent last-dim dot_general 2x at one row; the int8 weight converted after
     the transpose fuses into the matrix-vector product (~1.6x faster than float), while the same
     conversion under dot_general runs ~50x slower. At several rows that int8 form collapses (0.7 GB/s of
-    weights against ~28 at one row); the native VNNI kernel (from 2 rows, quantization.add_vnni_weights),
-    a bf16 copy (quantization.add_bf16_copies, past ROWS_AS_VECTORS rows) or int8 activations take over.
+    weights against ~28 at one row); a bf16 copy (quantization.add_bf16_copies, past ROWS_AS_VECTORS
+    rows) or int8 activations take over. With native kernels the VNNI kernel serves every row count
+    (quantization.add_vnni_weights).
     4-bit weights have no fast XLA form on CPU: the native int4 kernel serves every row count there
     (PackedInt4Weight), the Pallas kernel on TPU/GPU.
     """
@@ -66,7 +67,7 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
 def _int8_linear(x2: jax.Array, w: Int8Weight, kernels: KernelConfig) -> jax.Array:
     """x2 [rows, in] . Int8Weight -> [rows, out]."""
     rows, scale = x2.shape[0], w.scale
-    if kernels.matmul == "native" and w.vnni is not None and (rows > 1 or w.q is None):
+    if kernels.matmul == "native" and w.vnni is not None:
         return int8_matmul_vnni(x2, w.vnni, scale)
     q = w.q if w.q is not None else w.rows(jnp.arange(w.shape[0]))  # only the packed form is held
     if kernels.matmul == "pallas":
@@ -85,7 +86,7 @@ def weight_read_bytes(w, rows: int, kernels: KernelConfig) -> int:
     """Bytes `linear` reads from w for a product of `rows` rows: the form _int8_linear picks for an
     Int8Weight, every array of the other formats (for decode-step rooflines in the benchmarks)."""
     if isinstance(w, Int8Weight):
-        if kernels.matmul == "native" and w.vnni is not None and (rows > 1 or w.q is None):
+        if kernels.matmul == "native" and w.vnni is not None and (rows >= 1 or w.q is None):
             return w.vnni.nbytes + w.scale.nbytes
         bf16_rows = kernels.matmul != "pallas" and not kernels.int8_activations and rows > ROWS_AS_VECTORS
         if bf16_rows and w.bf16 is not None:
@@ -250,18 +251,22 @@ def decode_attention_pallas(
     return out[:, None]
 
 
+def _native_at_one_row(w) -> bool:
+    return isinstance(w, PackedInt4Weight) or (isinstance(w, Int8Weight) and w.vnni is not None)
+
+
 def native_attention_min_rows(layers: list[dict], kernels: KernelConfig) -> int:
     """Fewest decode rows that attend through the native kernel (KernelConfig.native_attention_min_rows).
 
     After a custom call XLA:CPU's next matrix-vector product (split over both threads) runs ~4x slower,
     a third more per SmolLM2 int8 step, so where an XLA product follows attention a one-row step keeps
     XLA attention; from 2 rows the kernel wins (SmolLM2 at 4 streams: 1.35x). Where every layer's
-    output projection is an int4 product through the native kernel, no XLA product follows and the
-    kernel saves one row its page gathers too (SmolLM2 / Gemma 3 int4 at one stream, AVX2: ~13% less
-    per step).
+    output projection is a native product at one row too (int4, or int8 in its VNNI form), no XLA
+    product follows and the kernel saves one row its page gathers (SmolLM2 / Gemma 3 int4 at one
+    stream, AVX2: ~13% less per step).
     """
-    native_int4 = all(isinstance(layer.get("o_proj"), PackedInt4Weight) for layer in layers)
-    return 1 if kernels.matmul == "native" and native_int4 else kernels.native_attention_min_rows
+    native = all(_native_at_one_row(layer.get("o_proj")) for layer in layers)
+    return 1 if kernels.matmul == "native" and native else kernels.native_attention_min_rows
 
 
 # Up to this many new tokens per row (a verification step: the last token and its drafts), the native

@@ -16,8 +16,8 @@ kept. Leaves are quantised one at a time on their devices and the float copy is 
 memory stays near one float copy.
 
 Kernel forms, added after quantisation for the backend that runs them (runtime.add_kernel_forms):
-`add_vnni_weights` gives each Int8Weight the same bytes packed for the native VNNI kernel, which serves
-products of two or more rows on x86 CPUs (cpu_kernels/int8_matmul_vnni.py). Without it,
+`add_vnni_weights` repacks each Int8Weight's bytes for the native VNNI kernel, which then serves its
+products at every row count on x86 CPUs (cpu_kernels/int8_matmul_vnni.py). Without it,
 `add_bf16_copies` gives each Int8Weight a "bf16" copy for products of more than a few rows on XLA:CPU
 (kernel_dispatch.ROWS_AS_VECTORS): there the int8 form is only fast as a matrix-vector product, while a
 bf16 x bf16 -> f32 dot at 16-512 rows is as fast as an int8 x int8 one without quantising the
@@ -138,28 +138,22 @@ def add_bf16_copies(params: Params) -> Params:
 _pack_vnni = jax.jit(pack_weight)
 
 
-def add_vnni_weights(params: Params, keep_int8: bool = True) -> Params:
-    """Adds `vnni`, the weight packed for the CPU VNNI kernel (cpu_kernels.int8_matmul_vnni), to every
-    Int8Weight whose shape that kernel takes, and a bf16 copy to the others: the forms that serve
-    products of several rows with KernelConfig(matmul="native"). Packing reorders the int8 bytes, so the
-    weights take twice the int8 model's memory (the bf16 copies took three times).
-
-    keep_int8=False drops q where `vnni` exists: the kernel then serves one row too and embedding rows
-    are read from the packed bytes. An int4 model's int8 tables do this: at one row every other product
-    is a native kernel already, and the tables are most of its bytes (Gemma 3's 262k x 640 embedding)."""
-
-    def add(path, name: str, w):
-        return add_vnni(w, keep_int8) if _is_matrix_int8(w) else w
-
-    return map_weights(params, add)
+def add_vnni_weights(params: Params) -> Params:
+    """Replaces q by `vnni`, the same bytes packed for the CPU VNNI kernel (cpu_kernels.int8_matmul_vnni),
+    in every Int8Weight whose shape that kernel takes, and gives the others a bf16 copy: the forms of
+    KernelConfig(matmul="native"). The kernel serves every row count and embedding rows are read from
+    the packed bytes, so nothing needs q: one row through it runs at the memory's pace, where XLA:CPU's
+    int8 matrix-vector product slows to half of that on some CPUs (an Intel Xeon: SmolLM2 one stream
+    58 -> 113 tok/s, Gemma 3 39 -> 74; docs/benchmarks.md)."""
+    return map_weights(params, lambda path, name, w: add_vnni(w) if _is_matrix_int8(w) else w)
 
 
-def add_vnni(w: Int8Weight, keep_int8: bool = True) -> Int8Weight:
+def add_vnni(w: Int8Weight) -> Int8Weight:
     """One matrix's forms for the native kernels (add_vnni_weights)."""
     if w.vnni is not None:
         return w
     if supports_vnni(*w.shape):
-        return Int8Weight(w.q if keep_int8 else None, w.scale, _pack_vnni(w.q), w.bf16)
+        return Int8Weight(None, w.scale, _pack_vnni(w.q), w.bf16)
     return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w)) if w.bf16 is None else w
 
 

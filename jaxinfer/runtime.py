@@ -308,13 +308,11 @@ def _cache_config(options: RuntimeOptions, config: ModelConfig, dtype: str) -> C
 
 def add_kernel_forms(params, kernels: KernelConfig):
     """The quantised weights in the forms the chosen kernels read: on CPU with native kernels, int8
-    weights gain their VNNI packing and int4 weights take the int4 kernel's layout (an int4 model's int8
-    tables then keep only their packed form); with XLA matmuls, int8 weights gain bf16 copies for
-    several rows (quantization.py)."""
+    weights take their VNNI packing and int4 weights the int4 kernel's layout; with XLA matmuls, int8
+    weights gain bf16 copies for several rows (quantization.py)."""
     if kernels.matmul == "native":
-        int4 = quantization_of(params) == "int4"
         params = pack_int4_weights(params)
-        return params if kernels.int8_activations else add_vnni_weights(params, keep_int8=not int4)
+        return params if kernels.int8_activations else add_vnni_weights(params)
     if kernels.matmul == "xla" and not kernels.int8_activations:
         return add_bf16_copies(params)
     return params

@@ -308,7 +308,7 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
 
 
 @needs_kernel
-def test_one_row_attends_natively_only_after_native_int4_output_projections():
+def test_one_row_attends_natively_only_after_native_output_projections():
     from jaxinfer.config import KernelConfig
     from jaxinfer.kernel_dispatch import native_attention_min_rows
     from jaxinfer.models.params import random_params
@@ -321,10 +321,13 @@ def test_one_row_attends_natively_only_after_native_int4_output_projections():
     int4 = add_kernel_forms(quantize_params(params(), "int4"), native)["layers"]
     int8 = add_kernel_forms(quantize_params(params(), "int8"), native)["layers"]
     assert native_attention_min_rows(int4, native) == 1
-    # An XLA matrix-vector product follows attention: float and int8 weights, or int4 through XLA.
-    assert native_attention_min_rows(int8, native) == 2
+    assert native_attention_min_rows(int8, native) == 1  # the VNNI kernel serves one row too
+    assert all(layer["o_proj"].q is None for layer in int8)  # nothing reads the unpacked int8 bytes
+    # An XLA matrix-vector product follows attention: float weights, or int4 / int8 through XLA.
     assert native_attention_min_rows(params()["layers"], native) == 2
     assert native_attention_min_rows(int4, KernelConfig(attention="native")) == 2
+    xla_int8 = add_kernel_forms(quantize_params(params(), "int8"), KernelConfig(attention="native"))
+    assert native_attention_min_rows(xla_int8["layers"], KernelConfig(attention="native")) == 2
 
 
 def test_native_attention_is_refused_where_it_cannot_run():

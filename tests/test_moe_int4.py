@@ -202,7 +202,7 @@ def test_quantize_params_takes_experts_to_int4():
         assert w.shape == layer_shapes(TINY_MOE)[name] and w.scale.shape == (*w.shape[:2], w.shape[2] // 32)
     assert not is_quantized(layer["router"]) and isinstance(params["embed"], Int8Weight)
     # The kernel forms leave stacked experts as they are (2-D int4 matrices pack, int8 tables gain VNNI).
-    packed = add_vnni_weights(pack_int4_weights(params), keep_int8=False)
+    packed = add_vnni_weights(pack_int4_weights(params))
     assert isinstance(packed["layers"][0]["q_proj"], PackedInt4Weight)
     assert type(packed["layers"][0]["expert_gate"]) is Int4Weight
     assert isinstance(add_bf16_copies(params)["layers"][1]["expert_down"], Int4Weight)
@@ -237,7 +237,7 @@ def test_an_int4_moe_model_stays_close_to_float(matmul):
         exact = teacher_forced_logits(dequantised, TINY_MOE, TOKENS, kernels)
         assert _rel(teacher_forced_logits(params, TINY_MOE, TOKENS, kernels), exact) < 1e-5
     else:  # the forms runtime.add_kernel_forms gives an int4 model for the native kernels
-        params = add_vnni_weights(pack_int4_weights(params), keep_int8=False)
+        params = add_vnni_weights(pack_int4_weights(params))
     got = teacher_forced_logits(params, TINY_MOE, TOKENS, kernels)
     assert _rel(got, want) < 5e-2
 

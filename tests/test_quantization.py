@@ -55,9 +55,10 @@ def test_every_int8_matmul_form_matches_the_dequantised_weight(form, rows):
     reference = x @ q.dequantize().T
     got = linear(x, q, FORMS[form])
     rel = float(jnp.linalg.norm(got - reference) / jnp.linalg.norm(reference))
-    # Weight-only forms are exact up to float rounding; int8 activations and bf16 operands add their own
-    # rounding (<1%).
-    limit = 1e-2 if form in ("int8-activations", "bf16-copy", "vnni") and rows > 1 else 1e-5
+    # Weight-only forms are exact up to float rounding; int8 activations (the VNNI kernel's at every row
+    # count) and bf16 operands add their own rounding (<1%).
+    rounds = form == "vnni" or (form in ("int8-activations", "bf16-copy") and rows > 1)
+    limit = 1e-2 if rounds else 1e-5
     assert rel < limit, rel
     # and all of them stay close to the float weight itself
     assert float(jnp.linalg.norm(got - x @ w.T) / jnp.linalg.norm(x @ w.T)) < 2e-2

@@ -98,8 +98,8 @@ def for_serving(heads: DraftHeads, kernels: KernelConfig) -> DraftHeads:
     float32 weights three times would cost a third of a SmolLM2 step; int8 reads a quarter of that."""
     if kernels.matmul != "native":
         return heads
-    blocks = tuple(add_vnni(quantize_int8(heads.w[i]), keep_int8=False) for i in range(heads.depth))
-    return dataclasses.replace(heads, w=blocks, out=add_vnni(quantize_int8(heads.out), keep_int8=False))
+    blocks = tuple(add_vnni(quantize_int8(heads.w[i])) for i in range(heads.depth))
+    return dataclasses.replace(heads, w=blocks, out=add_vnni(quantize_int8(heads.out)))
 
 
 def propose(

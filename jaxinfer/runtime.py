@@ -189,8 +189,8 @@ def resolve_quantize(quantize: str, backend: str, kind: str = "hf") -> str:
 
     int4 from GGUF repacks the file's 4-bit blocks as they are (its other tensors go to int8), so it is
     closer to the file than int8, which requantises those blocks, holds 20% of the float32 bytes
-    instead of 50% (int8 with its packed copy), and is no slower (SmolLM2 medians: one stream 167 vs
-    148 tok/s, 16 streams 935 vs 858; docs/benchmarks.md). From a float checkpoint int4 would round
+    instead of 25%, and is no slower (SmolLM2 medians: one stream 167 vs 148 tok/s, 16 streams 935 vs
+    858 on an AMD EPYC; docs/benchmarks.md). From a float checkpoint int4 would round
     every weight to 16 levels: auto keeps int8 there (2-3x faster than float32 at one row, 91-96%
     greedy agreement with the float model, perplexity within 1.1%)."""
     if quantize != "auto":

@@ -288,9 +288,9 @@ def _step_sample(
     active, fed = _fed(state, positions, drafts)
     logits = output_logits(params, config, hidden, kernels)  # [n, t, vocab]
     sampling = jax.tree.map(lambda a: a[:n], state.sampling)
-    counts, generated = state.counts[:n], state.generated[:n]
+    generated = state.generated[:n]
     drafts = jnp.where(fed[:, 1:], drafts, -1)
-    tokens, accepted = verify_drafts(logits, drafts, counts, sampling, generated, mask)
+    tokens, accepted = verify_drafts(logits, drafts, state.counts, sampling, generated, mask)
 
     # The request may end inside the accepted run.
     done, first_end, reason = _first_end(

@@ -86,7 +86,7 @@ def weight_read_bytes(w, rows: int, kernels: KernelConfig) -> int:
     """Bytes `linear` reads from w for a product of `rows` rows: the form _int8_linear picks for an
     Int8Weight, every array of the other formats (for decode-step rooflines in the benchmarks)."""
     if isinstance(w, Int8Weight):
-        if kernels.matmul == "native" and w.vnni is not None and (rows >= 1 or w.q is None):
+        if kernels.matmul == "native" and w.vnni is not None:
             return w.vnni.nbytes + w.scale.nbytes
         bf16_rows = kernels.matmul != "pallas" and not kernels.int8_activations and rows > ROWS_AS_VECTORS
         if bf16_rows and w.bf16 is not None:

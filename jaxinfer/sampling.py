@@ -241,9 +241,11 @@ def verify_drafts(
 
     logits: [slots, T, vocab] float32, the target's logits after each of the T = k + 1 inputs (the
     last token, then the k drafts); drafts: [slots, k] int32, -1 past a slot's drafts; counts:
-    [slots, vocab] int32 (apply_penalties); mask: [slots, ceil(vocab / 32)] int32 (apply_token_mask),
-    binding the first position only (constrained slots draft nothing); steps: [slots], the index of
-    the first token sampled here within its request (the per-request random stream).
+    [at least slots, vocab] int32 (apply_penalties; rows past `slots` are not read, and only the
+    branch with penalties slices them, so a caller passes all of its state's rows uncopied); mask:
+    [slots, ceil(vocab / 32)] int32 (apply_token_mask), binding the first position only (constrained
+    slots draft nothing); steps: [slots], the index of the first token sampled here within its request
+    (the per-request random stream).
 
     Position i accepts draft i when the target agrees: greedy slots when it is the argmax, sampled slots
     with probability p_i(draft) under the filtered distribution (rejection sampling against a one-token
@@ -297,7 +299,7 @@ def _accepted_run(targets: jax.Array, accept: jax.Array, own: jax.Array) -> tupl
 def _verify_adjusted(logits, targets, counts, s, steps, mask) -> tuple[jax.Array, jax.Array]:
     """verify_drafts where some row has a penalty, a grammar or a temperature."""
     n, t, vocab = logits.shape
-    drafts = targets[:, :-1]
+    drafts, counts = targets[:, :-1], counts[:n]
 
     def rows(a: jax.Array) -> jax.Array:  # per-slot values -> one per (slot, position)
         return jnp.repeat(a, t, axis=0)

@@ -49,7 +49,7 @@ struct Problem {
 
 // MR rows x NB blocks of 16 outputs, starting at output n0.
 template <int MR, int NB>
-void Tile(const Problem& p, int64_t m0, int64_t n0) {
+void Tile(const Problem& p, int64_t m0, int64_t n0, bool prefetch_next) {
   __m512 total[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) total[i][j] = _mm512_setzero_ps();
@@ -61,6 +61,9 @@ void Tile(const Problem& p, int64_t m0, int64_t n0) {
     for (int64_t k = b * p.block; k < (b + 1) * p.block; k += 4) {
       __m512i wv[NB];
       for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * p.k * kBlockN + k * kBlockN);
+      if (prefetch_next)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * p.k * kBlockN + k * kBlockN), _MM_HINT_T0);
       for (int i = 0; i < MR; ++i) {
         int32_t four;
         __builtin_memcpy(&four, p.x + (m0 + i) * p.k + k, 4);
@@ -94,7 +97,7 @@ constexpr int kBlocksFewRows = 4;
 
 // MR rows x NB blocks of 16 outputs (2 * NB halves of 8), starting at output n0.
 template <int MR, int NB>
-void Tile(const Problem& p, int64_t m0, int64_t n0) {
+void Tile(const Problem& p, int64_t m0, int64_t n0, bool prefetch_next) {
   constexpr int H = 2 * NB;
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -112,6 +115,9 @@ void Tile(const Problem& p, int64_t m0, int64_t n0) {
         wv[h] = _mm256_xor_si256(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (h / 2) * p.k * kBlockN + k * kBlockN + (h % 2) * 32)),
             offset);
+      if (prefetch_next)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * p.k * kBlockN + k * kBlockN), _MM_HINT_T0);
       for (int i = 0; i < MR; ++i) {
         int32_t four;
         __builtin_memcpy(&four, p.x + (m0 + i) * p.k + k, 4);
@@ -142,14 +148,18 @@ constexpr int kBlocksFewRows = 1;
 #endif
 
 // Every row group over NB blocks of 16 outputs from n0: their weights (K * 16 * NB bytes) stay in L1.
+// The last row group also prefetches the next group's weights, one cache line per block and step of 4
+// inputs: the first row group of the next column group then finds them in L1 instead of waiting on
+// memory while the compute units idle (Gemma 3's 262k x 640 logits product at 16 rows, AVX-512:
+// 12.5 -> 10.6-11.0 ms).
 template <int NB>
 void Rows(const Problem& p, int64_t n0) {
   int64_t m = 0;
-  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, n0);
+  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, n0, m + kRows == p.m);
   switch (p.m - m) {
-    case 3: Tile<3, NB>(p, m, n0); break;
-    case 2: Tile<2, NB>(p, m, n0); break;
-    case 1: Tile<1, NB>(p, m, n0); break;
+    case 3: Tile<3, NB>(p, m, n0, true); break;
+    case 2: Tile<2, NB>(p, m, n0, true); break;
+    case 1: Tile<1, NB>(p, m, n0, true); break;
     default: break;
   }
 }

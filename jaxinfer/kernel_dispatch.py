@@ -64,10 +64,15 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     return y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
 
 
+def _vnni_serves(w: Int8Weight, kernels: KernelConfig) -> bool:
+    """Whether the native VNNI kernel takes this int8 weight's products (at every row count)."""
+    return kernels.matmul == "native" and w.vnni is not None
+
+
 def _int8_linear(x2: jax.Array, w: Int8Weight, kernels: KernelConfig) -> jax.Array:
     """x2 [rows, in] . Int8Weight -> [rows, out]."""
     rows, scale = x2.shape[0], w.scale
-    if kernels.matmul == "native" and w.vnni is not None:
+    if _vnni_serves(w, kernels):
         return int8_matmul_vnni(x2, w.vnni, scale)
     q = w.q if w.q is not None else w.rows(jnp.arange(w.shape[0]))  # only the packed form is held
     if kernels.matmul == "pallas":
@@ -86,7 +91,7 @@ def weight_read_bytes(w, rows: int, kernels: KernelConfig) -> int:
     """Bytes `linear` reads from w for a product of `rows` rows: the form _int8_linear picks for an
     Int8Weight, every array of the other formats (for decode-step rooflines in the benchmarks)."""
     if isinstance(w, Int8Weight):
-        if kernels.matmul == "native" and w.vnni is not None:
+        if _vnni_serves(w, kernels):
             return w.vnni.nbytes + w.scale.nbytes
         bf16_rows = kernels.matmul != "pallas" and not kernels.int8_activations and rows > ROWS_AS_VECTORS
         if bf16_rows and w.bf16 is not None:
@@ -251,8 +256,8 @@ def decode_attention_pallas(
     return out[:, None]
 
 
-def _native_at_one_row(w) -> bool:
-    return isinstance(w, PackedInt4Weight) or (isinstance(w, Int8Weight) and w.vnni is not None)
+def _native_at_one_row(w, kernels: KernelConfig) -> bool:
+    return isinstance(w, PackedInt4Weight) or (isinstance(w, Int8Weight) and _vnni_serves(w, kernels))
 
 
 def native_attention_min_rows(layers: list[dict], kernels: KernelConfig) -> int:
@@ -265,7 +270,7 @@ def native_attention_min_rows(layers: list[dict], kernels: KernelConfig) -> int:
     product follows and the kernel saves one row its page gathers (SmolLM2 / Gemma 3 int4 at one
     stream, AVX2: ~13% less per step).
     """
-    native = all(_native_at_one_row(layer.get("o_proj")) for layer in layers)
+    native = all(_native_at_one_row(layer.get("o_proj"), kernels) for layer in layers)
     return 1 if kernels.matmul == "native" and native else kernels.native_attention_min_rows
 
 

@@ -143,8 +143,8 @@ def add_vnni_weights(params: Params) -> Params:
     in every Int8Weight whose shape that kernel takes, and gives the others a bf16 copy: the forms of
     KernelConfig(matmul="native"). The kernel serves every row count and embedding rows are read from
     the packed bytes, so nothing needs q: one row through it runs at the memory's pace, where XLA:CPU's
-    int8 matrix-vector product slows to half of that on some CPUs (an Intel Xeon: SmolLM2 one stream
-    58 -> 113 tok/s, Gemma 3 39 -> 74; docs/benchmarks.md)."""
+    int8 matrix-vector product reaches about half of that on some CPUs (an Intel Xeon; docs/benchmarks.md),
+    and the weights take the int8 bytes once instead of twice."""
     return map_weights(params, lambda path, name, w: add_vnni(w) if _is_matrix_int8(w) else w)
 
 

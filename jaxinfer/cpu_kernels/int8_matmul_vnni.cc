@@ -150,8 +150,8 @@ constexpr int kBlocksFewRows = 1;
 // Every row group over NB blocks of 16 outputs from n0: their weights (K * 16 * NB bytes) stay in L1.
 // The last row group also prefetches the next group's weights, one cache line per block and step of 4
 // inputs: the first row group of the next column group then finds them in L1 instead of waiting on
-// memory while the compute units idle (Gemma 3's 262k x 640 logits product at 16 rows, AVX-512:
-// 12.5 -> 10.6-11.0 ms).
+// memory while the compute units idle (a product whose weights stream from memory at several rows, such
+// as Gemma 3's 262k x 640 logits at 16: ~15% of its time; docs/benchmarks.md).
 template <int NB>
 void Rows(const Problem& p, int64_t n0) {
   int64_t m = 0;

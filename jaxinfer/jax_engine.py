@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer import engine as api
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.jit_mappings import MappingBudget
-from jaxinfer.kernel_dispatch import MAX_QUERIES_AS_ROWS, ROWS_AS_VECTORS, native_decode_attention
+from jaxinfer.kernel_dispatch import MAX_QUERIES_AS_ROWS, ROWS_AS_VECTORS, native_attention
 from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.models.params import Params
 from jaxinfer.models.transformer import forward_hidden, output_logits
@@ -562,24 +562,27 @@ class JaxEngine(api.Engine):
         return -(-positions // self.page_size)
 
     def _prefill_pages(self, start: int, t: int) -> int:
-        """The page bucket of a chunk of bucket t at `start`: every page up to the chunk's end."""
+        """The page bucket of a chunk of bucket t at `start`: every page up to the chunk's end. The
+        native kernel reads each query up to its own position: one bucket, the whole table."""
+        if self.native_attention(t):
+            return self.cache_config.pages_per_seq
         return self._bucket(self._page_buckets, self._pages(min(start + t, self.max_seq_len)))
 
-    def native_decode_attention(self, rows: int) -> bool:
-        """Whether decode steps over `rows` rows attend through the C++ kernel (kernel_dispatch)."""
-        return native_decode_attention(self.kernels, self.state.cache, self.config.head_dim, rows)
+    def native_attention(self, rows: int) -> bool:
+        """Whether steps of `rows` query rows attend through the C++ kernel (kernel_dispatch)."""
+        return native_attention(self.kernels, self.state.cache, self.config.head_dim, rows)
 
     def _decode_page_buckets(self, rows: int) -> tuple[int, ...]:
         """The page buckets of decode steps over `rows` (a row bucket). The native and Pallas kernels
         read each row up to its own length: one program for a whole page table, whatever the lengths."""
-        if self.native_decode_attention(rows) or self.kernels.attention == "pallas":
+        if self.native_attention(rows) or self.kernels.attention == "pallas":
             return (self.cache_config.pages_per_seq,)
         return self._many_rows_page_buckets if rows > ROWS_AS_VECTORS else self._page_buckets
 
     def _verify_page_buckets(self, rows: int) -> tuple[int, ...]:
         """The page buckets of verification steps over `rows` rows of k + 1 tokens each."""
         t = self._num_draft_tokens + 1
-        if self.native_decode_attention(rows * t):  # each token attends as a decode row of its own
+        if self.native_attention(rows * t):  # each token attends as a decode row of its own
             return (self.cache_config.pages_per_seq,)
         return (
             self._decode_page_buckets(rows)
@@ -589,7 +592,7 @@ class JaxEngine(api.Engine):
 
     def decode_attend_len(self, rows: int, length: int) -> int:
         """Cache positions a decode step over `rows` rows reads once its longest row holds `length`."""
-        if self.native_decode_attention(rows):
+        if self.native_attention(rows):
             return min(length + 1, self.max_seq_len)
         pages = self._bucket(self._decode_page_buckets(rows), self._pages(length + 1))
         return pages * self.page_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import shutil
@@ -246,9 +247,77 @@ def test_bad_shapes_are_refused_clearly():
     # The FFI handler checks too, for callers that bypass the wrapper.
     target = _decode_attention.KERNEL.target(_decode_attention.SYMBOLS["float32"])
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    with pytest.raises(ValueError, match="page_table"):  # 3 rows are not 2 sequences of 2 queries
+        decode_attention_cpu(q, pages, pages, table[:2], lengths, **kwargs, queries_per_row=2)
     with pytest.raises(Exception, match="page_table"):
         call(q, pages, pages, table[:2], lengths, layer=np.int64(0), window=np.int64(0),
-             scale=np.float32(1.0), softcap=np.float32(0.0))  # fmt: skip
+             scale=np.float32(1.0), softcap=np.float32(0.0), queries_per_row=np.int64(1))  # fmt: skip
+    with pytest.raises(Exception, match="queries_per_row"):
+        call(q, pages, pages, table[:1], lengths, layer=np.int64(0), window=np.int64(0),
+             scale=np.float32(1.0), softcap=np.float32(0.0), queries_per_row=np.int64(0))  # fmt: skip
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits"])
+@pytest.mark.parametrize("window,softcap", [(None, None), (11, 25.0)])
+def test_prefill_chunks_attend_causally_over_their_sequences_pages(cache_dtype, window, softcap, isa):
+    # Two sequences, a chunk of t queries each over one table row apiece (queries_per_row = t): one
+    # chunk continues a 29-token prefix, the other starts at 0 and is padded (length-0 rows) past 9.
+    rng = np.random.default_rng(11)
+    kv, heads, dim, page_size, layer, t = 2, 6, 32, 16, 1, 12
+    starts, real = [29, 0], [12, 9]
+    ends = [s + n for s, n in zip(starts, real)]
+    dense_k, dense_v = (rng.normal(size=(2, kv, max(ends), dim)) for _ in range(2))
+    (k_pool, v_pool), table = _scatter_into_pages(rng, [dense_k, dense_v], ends, page_size, 2, layer)
+    k_pages, v_pages = _storage(k_pool, cache_dtype), _storage(v_pool, cache_dtype)
+    dense_k, dense_v = (_widen(_storage(x, cache_dtype)) for x in (dense_k, dense_v))
+    q = rng.normal(size=(2 * t, heads, dim)) * 2.0
+    lengths = [s + i + 1 if i < n else 0 for s, n in zip(starts, real) for i in range(t)]
+    kwargs = dict(layer=layer, scale=dim**-0.5, sliding_window=window, softcap=softcap)
+    args = (jnp.asarray(q, jnp.float32), k_pages, v_pages, table, jnp.asarray(lengths, jnp.int32))
+    attend = lambda *a: decode_attention_cpu(*a, **kwargs, queries_per_row=t, isa=isa)  # noqa: E731
+    got = np.asarray(jax.jit(attend)(*args))
+    per_query = [np.repeat(x, t, axis=0) for x in (dense_k, dense_v)]  # each query's sequence
+    want = _dense_attention(np.asarray(args[0], np.float64), *per_query, lengths, dim**-0.5, window, softcap)
+    assert np.isfinite(got).all() and _rel(got, want) < 1e-5
+    assert not got[t + 9 :].any()  # padding queries give zeros
+    reference = decode_attention_cpu_reference(*args, **kwargs, queries_per_row=t)
+    assert _rel(got, np.asarray(reference, np.float64)) < 1e-5
+
+
+@needs_kernel
+@pytest.mark.parametrize("cache_dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunked_prefill_through_the_kernel_equals_xla(arch, cache_dtype):
+    from jaxinfer.config import KernelConfig
+    from jaxinfer.evaluation import cache_for
+    from jaxinfer.models.params import random_params
+    from jaxinfer.models.transformer import forward
+    from tests.test_engine import CONFIGS
+
+    config = CONFIGS[arch]  # Gemma: sliding-window layers, a window of 7 inside each chunk
+    params = random_params(config, seed=5)
+    rng = np.random.default_rng(1)
+    lengths, chunk = [37, 23], 16  # the second row's last chunk is all padding
+    tokens = rng.integers(0, config.vocab_size, size=(2, 48)).astype(np.int32)
+    positions = np.where(np.arange(48)[None] < np.array(lengths)[:, None], np.arange(48)[None], -1)
+
+    def prefill(kernels: KernelConfig) -> np.ndarray:
+        cache, table = cache_for(config, 2, 48, cache_dtype)
+        step = jax.jit(functools.partial(forward, params, config, kernels=kernels))
+        out = []
+        for c in range(0, 48, chunk):
+            window = slice(c, c + chunk)
+            logits, cache = step(tokens[:, window], jnp.asarray(positions[:, window]), cache, table)
+            out.append(np.asarray(logits))
+        return np.concatenate(out, axis=1)
+
+    native = prefill(KernelConfig(attention="native"))
+    xla = prefill(KernelConfig())
+    for row, n in enumerate(lengths):  # padding tokens' logits are nobody's
+        rel = np.linalg.norm(native[row, :n] - xla[row, :n]) / np.linalg.norm(xla[row, :n])
+        assert rel < 1e-4, (row, rel)
 
 
 @needs_kernel
@@ -292,9 +361,9 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
     xla = JaxEngine(params, config, cache, max_prefill_chunk=16, kernels=KernelConfig())
     # One row stays on XLA attention (KernelConfig.native_attention_min_rows); 2 and 4 rows read each
     # row up to its own length, so the page buckets collapse to a whole page table.
-    assert [native.native_decode_attention(r) for r in (1, 2, 4)] == [False, True, True]
+    assert [native.native_attention(r) for r in (1, 2, 4)] == [False, True, True]
     one_row = KernelConfig(attention="native", native_attention_min_rows=1)
-    assert JaxEngine(params, config, cache, kernels=one_row).native_decode_attention(1)
+    assert JaxEngine(params, config, cache, kernels=one_row).native_attention(1)
     assert native._decode_page_buckets(4) == (8,) and len(xla._decode_page_buckets(4)) > 1
     assert native.decode_attend_len(4, 100) == 101
     assert xla.decode_attend_len(4, 100) % 16 == 0 and xla.decode_attend_len(4, 100) > 100
@@ -304,7 +373,7 @@ def test_engine_compiles_one_decode_program_per_row_bucket_with_the_kernel():
     # int8 pages too: the kernel reads them with their scales.
     int8 = JaxEngine(params, config, paged_cache_config(4, 128, page_size=16, dtype="int8"),
                      kernels=KernelConfig(attention="native"))  # fmt: skip
-    assert int8.native_decode_attention(4) and int8._decode_page_buckets(4) == (8,)
+    assert int8.native_attention(4) and int8._decode_page_buckets(4) == (8,)
 
 
 @needs_kernel

@@ -5,10 +5,13 @@
 // k, v       [L, KV, P, S, D]     the page pool of every layer: float32, bfloat16 held as uint16 bits, or
 //                                 int8; the S * D values of one (layer, KV head, page) are contiguous
 // k_scale, v_scale f32 [L, KV, P, S]  int8 pages only: each position's scale (value = int8 * scale)
-// page_table s32 [R, W]           key position t of row r lives at page page_table[r, t / S], offset t % S
+// page_table s32 [R / Q, W]       key position t of row r lives at page page_table[r / Q, t / S], offset
+//                                 t % S, Q the attribute queries_per_row (a prefill chunk's Q queries of
+//                                 one sequence share its table row)
 // lengths    s32 [R]              keys per row including the new one (the query sits at length - 1); 0 for
 //                                 an inactive row (zeros out). Clamped to W * S.
-// attributes: layer, window (0: none; else keys in [length - window, length)), scale, softcap (0: none)
+// attributes: layer, window (0: none; else keys in [length - window, length)), scale, softcap (0: none),
+//             queries_per_row (Q >= 1)
 // out        f32 [R, H, D]
 //
 // Only the pages a row's visible keys sit on are read, and of them only those keys: table entries past a
@@ -217,7 +220,7 @@ struct Problem {
   const float* k_scale;  // int8 pages: [L, KV, P, S]; else null
   const float* v_scale;
   float* out;
-  int64_t rows, heads, kv_heads, pages, page_size, dim, table_width, layer, window;
+  int64_t rows, heads, kv_heads, pages, page_size, dim, table_width, layer, window, queries_per_row;
   float scale, softcap;
 };
 
@@ -429,7 +432,7 @@ void RowHead(const Problem& p, int64_t item) {
   const int64_t pool = ((p.layer * p.kv_heads + kv) * p.pages) * p.page_size * d;  // this (layer, KV head)
   const T* keys = static_cast<const T*>(p.k) + pool;
   const T* values = static_cast<const T*>(p.v) + pool;
-  const int32_t* table = p.page_table + r * p.table_width;
+  const int32_t* table = p.page_table + r / p.queries_per_row * p.table_width;
   thread_local std::vector<float> scores, scales;
   const float *k_scale = nullptr, *v_scale = nullptr;
   if (p.k_scale != nullptr) {  // this row's scales, contiguous: [0, n) for K, [n, 2n) for V
@@ -466,7 +469,7 @@ template <ffi::DataType CacheType>
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<CacheType> k, ffi::Buffer<CacheType> v,
                   const float* k_scale, const float* v_scale, ffi::Buffer<ffi::S32> page_table,
                   ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t window,
-                  float scale, float softcap) {
+                  float scale, float softcap, int64_t queries_per_row) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = page_table.dimensions();
   const bool same_kv = kd.size() == vd.size() && std::equal(kd.begin(), kd.end(), vd.begin());
   if (qd.size() != 3 || kd.size() != 5 || !same_kv || td.size() != 2)
@@ -476,13 +479,14 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<Cac
     return ffi::Error::InvalidArgument(
         "decode_attention: head_dim must match between q and the pages and be a multiple of 16, and the KV "
         "heads must divide the query heads");
-  if (td[0] != qd[0] || lengths.element_count() != qd[0])
-    return ffi::Error::InvalidArgument("decode_attention: page_table [R, W] and lengths [R] need R = q rows");
+  if (queries_per_row < 1 || td[0] * queries_per_row != qd[0] || lengths.element_count() != qd[0])
+    return ffi::Error::InvalidArgument(
+        "decode_attention: want page_table [R / Q, W] and lengths [R] for the R rows of q, Q = queries_per_row");
   if (kd[2] < 1 || kd[3] < 1 || layer < 0 || layer >= kd[0])
     return ffi::Error::InvalidArgument("decode_attention: need pages P >= 1, page size S >= 1, 0 <= layer < L");
   Problem p{q.typed_data(), k.untyped_data(), v.untyped_data(), page_table.typed_data(), lengths.typed_data(),
             k_scale, v_scale, out->typed_data(), qd[0], qd[1], kd[1], kd[2], kd[3], kd[4], td[1], layer, window,
-            scale, softcap};
+            queries_per_row, scale, softcap};
   using T = std::conditional_t<CacheType == ffi::DataType::F32, float,
                                std::conditional_t<CacheType == ffi::DataType::S8, int8_t, uint16_t>>;
   int64_t keys = 0;  // keys read by all rows: the work is ~2 * heads * dim multiply-adds per key
@@ -499,23 +503,23 @@ template <ffi::DataType CacheType>
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<CacheType> k,
                            ffi::Buffer<CacheType> v, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> lengths, ffi::ResultBuffer<ffi::F32> out, int64_t layer,
-                           int64_t window, float scale, float softcap) {
+                           int64_t window, float scale, float softcap, int64_t queries_per_row) {
   return Attend<CacheType>(pool, q, k, v, nullptr, nullptr, page_table, lengths, out, layer, window, scale,
-                           softcap);
+                           softcap, queries_per_row);
 }
 
 ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k,
                                ffi::Buffer<ffi::S8> v, ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                ffi::Buffer<ffi::S32> page_table, ffi::Buffer<ffi::S32> lengths,
                                ffi::ResultBuffer<ffi::F32> out, int64_t layer, int64_t window, float scale,
-                               float softcap) {
+                               float softcap, int64_t queries_per_row) {
   const auto kd = k.dimensions(), ks = k_scale.dimensions(), vs = v_scale.dimensions();
   const bool fits = kd.size() == 5 && ks.size() == 4 && vs.size() == 4 &&
                     std::equal(ks.begin(), ks.end(), kd.begin()) && std::equal(vs.begin(), vs.end(), kd.begin());
   if (!fits)
     return ffi::Error::InvalidArgument("decode_attention: int8 pages [L, KV, P, S, D] want scales [L, KV, P, S]");
   return Attend<ffi::DataType::S8>(pool, q, k, v, k_scale.typed_data(), v_scale.typed_data(), page_table, lengths,
-                                   out, layer, window, scale, softcap);
+                                   out, layer, window, scale, softcap, queries_per_row);
 }
 
 }  // namespace
@@ -533,7 +537,8 @@ ffi::Error DecodeAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
                                     .Attr<int64_t>("layer")                   \
                                     .Attr<int64_t>("window")                  \
                                     .Attr<float>("scale")                     \
-                                    .Attr<float>("softcap"));
+                                    .Attr<float>("softcap")                   \
+                                    .Attr<int64_t>("queries_per_row"));
 
 JAXINFER_DECODE_ATTENTION(JAXINFER_SYMBOL(jaxinfer_decode_attention_f32), ffi::DataType::F32)
 JAXINFER_DECODE_ATTENTION(JAXINFER_SYMBOL(jaxinfer_decode_attention_bf16bits), ffi::DataType::U16)
@@ -552,4 +557,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_decode_attention_int8), D
                                   .Attr<int64_t>("layer")
                                   .Attr<int64_t>("window")
                                   .Attr<float>("scale")
-                                  .Attr<float>("softcap"));
+                                  .Attr<float>("softcap")
+                                  .Attr<int64_t>("queries_per_row"));

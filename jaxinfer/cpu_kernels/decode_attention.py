@@ -45,7 +45,9 @@ def supports(cache_storage_dtype, head_dim: int) -> bool:
     return jnp.dtype(cache_storage_dtype).name in SYMBOLS and head_dim % LANES == 0
 
 
-def _check_shapes(q, k_pages, v_pages, page_table, lengths, layer: int, k_scale, v_scale) -> None:
+def _check_shapes(
+    q, k_pages, v_pages, page_table, lengths, layer: int, k_scale, v_scale, queries_per_row: int
+) -> None:
     want_scales = jnp.dtype(k_pages.dtype) == jnp.int8
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if (s is not None) != want_scales or (s is not None and s.shape != k_pages.shape[:-1]):
@@ -66,10 +68,15 @@ def _check_shapes(q, k_pages, v_pages, page_table, lengths, layer: int, k_scale,
             f"q {q.shape} does not fit pages {k_pages.shape}: "
             "head_dim differs or kv_heads does not divide heads"
         )
-    if page_table.ndim != 2 or page_table.shape[0] != rows or lengths.shape != (rows,):
+    if (
+        queries_per_row < 1
+        or page_table.ndim != 2
+        or page_table.shape[0] * queries_per_row != rows
+        or lengths.shape != (rows,)
+    ):
         raise ValueError(
-            f"want page_table [rows, pages_per_row] and lengths [rows] for the {rows} rows of q; got "
-            f"page_table {page_table.shape}, lengths {lengths.shape}"
+            f"want page_table [rows / {queries_per_row=}, pages_per_row] and lengths [rows] for the "
+            f"{rows} rows of q; got page_table {page_table.shape}, lengths {lengths.shape}"
         )
     if pages < 1 or page_size < 1 or not 0 <= layer < layers:
         raise ValueError(
@@ -78,11 +85,11 @@ def _check_shapes(q, k_pages, v_pages, page_table, lengths, layer: int, k_scale,
 
 
 def decode_attention_cpu(
-    q: jax.Array,  # [rows, heads, d] float32: the new query of each row, at position lengths - 1
+    q: jax.Array,  # [rows, heads, d] float32: one query per row, at position lengths - 1
     k_pages: jax.Array,  # [layers, kv_heads, pages, page_size, d]: float32 or uint16 bfloat16 bits
     v_pages: jax.Array,
-    page_table: jax.Array,  # [rows, pages_per_row] int32: the page of each page_size positions of a row
-    lengths: jax.Array,  # [rows] int32: keys per row incl. the new one; 0 for an inactive row
+    page_table: jax.Array,  # [rows / queries_per_row, pages_per_row] int32: each sequence's pages
+    lengths: jax.Array,  # [rows] int32: keys per row incl. its own; 0 for an inactive row
     *,
     layer: int,
     scale: float,
@@ -90,15 +97,18 @@ def decode_attention_cpu(
     softcap: float | None,
     k_scale: jax.Array | None = None,  # int8 pages: [layers, kv_heads, pages, page_size] float32
     v_scale: jax.Array | None = None,
+    queries_per_row: int = 1,
     isa: str | None = None,
 ) -> jax.Array:
-    """-> [rows, heads, d] float32; zeros for rows of length 0. Reads no page-table entry past a row's
-    length, and no page slot past its last key; page ids are clamped into the pool. Lengths past
+    """-> [rows, heads, d] float32; zeros for rows of length 0. Row r reads the pages of table row
+    r // queries_per_row: a prefill chunk or a verification step of Q queries per sequence is Q rows,
+    each attending causally up to its own position, over one table row. Reads no page-table entry past
+    a row's length, and no page slot past its last key; page ids are clamped into the pool. Lengths past
     pages_per_row * page_size are clamped to it. Needs supports(k_pages.dtype, d). Runs the chosen
     variant (KERNEL.chosen_isa(); needs decode_attention_available()), or the one named by `isa`
     ("avx512_vnni", "avx2"), which this CPU must support."""
     target = KERNEL.target(SYMBOLS[jnp.dtype(k_pages.dtype).name], isa)  # registers it on first use
-    _check_shapes(q, k_pages, v_pages, page_table, lengths, layer, k_scale, v_scale)
+    _check_shapes(q, k_pages, v_pages, page_table, lengths, layer, k_scale, v_scale, queries_per_row)
     if not supports(k_pages.dtype, q.shape[-1]):
         raise ValueError(
             f"the CPU decode-attention kernel reads float32, uint16 (bfloat16 bits) or int8 pages with "
@@ -110,6 +120,7 @@ def decode_attention_cpu(
         q.astype(jnp.float32), k_pages, v_pages, *scales, page_table.astype(jnp.int32),
         lengths.astype(jnp.int32), layer=np.int64(layer), window=np.int64(sliding_window or 0),
         scale=np.float32(scale), softcap=np.float32(softcap or 0.0),
+        queries_per_row=np.int64(queries_per_row),
     )  # fmt: skip
 
 
@@ -126,10 +137,12 @@ def decode_attention_cpu_reference(
     softcap: float | None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    queries_per_row: int = 1,
 ) -> jax.Array:
     """The kernel's result in plain JAX (float32 throughout): gathers each row's pages into contiguous
     keys and values and masks everything past its length (garbage there, even NaN, does not leak)."""
-    _check_shapes(q, k_pages, v_pages, page_table, lengths, layer, k_scale, v_scale)
+    _check_shapes(q, k_pages, v_pages, page_table, lengths, layer, k_scale, v_scale, queries_per_row)
+    page_table = jnp.repeat(page_table, queries_per_row, axis=0)
     rows, heads, d = q.shape
     kv_heads, pages, page_size = k_pages.shape[1:4]
     positions = page_table.shape[1] * page_size

@@ -22,14 +22,13 @@ import jax.numpy as jnp
 
 from jaxinfer.config import KernelConfig, ModelConfig, RopeScaling
 from jaxinfer.kernel_dispatch import (
-    MAX_QUERIES_AS_ROWS,
     attention_bias,
     attention_xla,
-    decode_attention_native,
+    attention_native,
     decode_attention_pallas,
     embed,
     linear,
-    native_decode_attention,
+    native_attention,
     prefill_attention_pallas,
 )
 from jaxinfer.kv_cache import KVCache
@@ -143,13 +142,8 @@ def _layer(
     attend = dict(layer=index, scale=c.attn_scale, sliding_window=window, softcap=c.attn_logit_softcap)
     if kernels.attention == "pallas" and t == 1:
         attn = decode_attention_pallas(q, cache, page_table, lengths, interpret=kernels.interpret, **attend)
-    elif t <= MAX_QUERIES_AS_ROWS and native_decode_attention(kernels, cache, c.head_dim, b * t):
-        # Each query is a decode row of its own, reading its row's pages up to its own position: a
-        # verification step's few queries per row need no page bucket of their own.
-        rows_q = q.reshape(b * t, 1, c.num_heads, c.head_dim)
-        rows_pages = jnp.repeat(page_table, t, axis=0)
-        attn = decode_attention_native(rows_q, cache, rows_pages, positions.reshape(-1) + 1, **attend)
-        attn = attn.reshape(b, t, c.num_heads, c.head_dim)
+    elif native_attention(kernels, cache, c.head_dim, b * t):
+        attn = attention_native(q, cache, page_table, positions, **attend)
     elif kernels.attention == "pallas":
         q_start = jnp.maximum(positions[:, 0], 0)
         attn = prefill_attention_pallas(

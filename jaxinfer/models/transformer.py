@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jaxinfer.config import KernelConfig, ModelConfig, RopeScaling
 from jaxinfer.kernel_dispatch import (
     attention_bias,
-    attention_xla,
     attention_native,
+    attention_xla,
     decode_attention_pallas,
     embed,
     linear,

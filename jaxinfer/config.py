@@ -118,8 +118,8 @@ class KernelConfig:
 
     attention: "xla" (plain JAX over pages gathered through the page table, the reference path),
         "pallas" (pallas_kernels.paged_attention: prefill and decode attention reading the pages in
-        the kernel) or "native" (jaxinfer.cpu_kernels' C++ paged decode attention, AVX-512 or AVX2, a float32
-        or bfloat16 cache; prefill stays XLA).
+        the kernel) or "native" (jaxinfer.cpu_kernels' C++ paged attention, AVX-512 or AVX2, over float32,
+        bfloat16 or int8 pages: decode, verification and prefill, each query up to its own position).
     matmul: "xla", "pallas" (the int8 and int4 weight kernels) or "native" (jaxinfer.cpu_kernels' C++
         kernels, AVX-512 VNNI or AVX2: int8 weights at two or more rows and int4 weights at every row
         count; the weights need their packed forms, runtime.add_kernel_forms). Float weights always

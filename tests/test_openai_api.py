@@ -248,7 +248,8 @@ def test_curl_streams_sse_and_reports_errors(server):
 
 
 def test_a_client_that_disconnects_frees_its_slot():
-    _, running = start(step_delay_s=0.02)
+    # 200 steps of 50 ms: the stream outlives a disconnect noticed late on a loaded machine.
+    _, running = start(step_delay_s=0.05)
     try:
         base = f"http://127.0.0.1:{running.http_port}/v1"
         body = {"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
@@ -257,13 +258,13 @@ def test_a_client_that_disconnects_frees_its_slot():
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                     break
-        wait_idle(running)
+        wait_idle(running, timeout_s=15.0)
         stats = running.orchestrator.stats()
         assert stats["finished"]["cancelled"] == 1 and stats["num_free_slots"] == stats["num_slots"]
         # A non-streamed request whose client gives up is cancelled too.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{base}/completions", json=body | {"stream": False}, headers=headers, timeout=0.3)
-        wait_idle(running)
+        wait_idle(running, timeout_s=15.0)
         assert running.orchestrator.stats()["finished"]["cancelled"] == 2
     finally:
         running.stop(1.0)

@@ -1,7 +1,8 @@
-// Decode attention straight out of the paged KV cache for XLA:CPU (AVX-512 or AVX2), as an XLA FFI custom
-// call.
+// Attention straight out of the paged KV cache for XLA:CPU (AVX-512 or AVX2), one query per row, as an XLA
+// FFI custom call: a decode step is a row per sequence; a verification step or a prefill chunk passes each
+// new token of a sequence as a row of its own (Q rows per page-table row), attending up to its position.
 //
-// q          f32 [R, H, D]        the new query of each of R rows
+// q          f32 [R, H, D]        the query of each of R rows
 // k, v       [L, KV, P, S, D]     the page pool of every layer: float32, bfloat16 held as uint16 bits, or
 //                                 int8; the S * D values of one (layer, KV head, page) are contiguous
 // k_scale, v_scale f32 [L, KV, P, S]  int8 pages only: each position's scale (value = int8 * scale)

@@ -1,6 +1,9 @@
-"""Decode attention over the paged KV cache on x86-64 CPUs: a C++ XLA FFI kernel (decode_attention.cc)
-built for AVX-512 (16-lane float vectors) and for AVX2 + FMA (8 lanes), the fastest variant this CPU runs
-chosen at run time (native_build.best_isa), and its plain-JAX reference.
+"""Attention over the paged KV cache on x86-64 CPUs, one query per row: a C++ XLA FFI kernel
+(decode_attention.cc) built for AVX-512 (16-lane float vectors) and for AVX2 + FMA (8 lanes), the fastest
+variant this CPU runs chosen at run time (native_build.best_isa), and its plain-JAX reference. Decode
+steps pass one row per sequence; prefill chunks and verification steps pass each of a sequence's new
+tokens as a row of its own (queries_per_row), attending up to its own position: causal attention that
+computes no masked-out product.
 
 The pages: k_pages, v_pages [layers, kv_heads, num_pages, page_size, head_dim] (float32, bfloat16 held as
 uint16 bit patterns, or int8 with a float32 scale per position, k_scale and v_scale [layers, kv_heads,

@@ -17,7 +17,13 @@ from jaxinfer.cpu_kernels import (
     decode_attention_cpu,
     decode_attention_cpu_reference,
 )
-from jaxinfer.cpu_kernels.native_build import ISAS, best_isa, cpu_supports, register_isa_kernels
+from jaxinfer.cpu_kernels.native_build import (
+    ISAS,
+    best_isa,
+    cpu_description,
+    cpu_supports,
+    register_isa_kernels,
+)
 
 # The engine tests at the end import the engine inside themselves: the kernel's tests do not depend on it.
 
@@ -42,6 +48,16 @@ def test_kernels_build_wherever_the_cpu_allows(module, isa):
     variant = next(variant for variant in ISAS if variant.name == isa)
     assert register_isa_kernels(kernel.source, variant, kernel.symbols), f"the {isa} variant did not build"
     assert kernel.available(isa) and kernel.chosen_isa() == best_isa(kernel.isas) and kernel.available()
+
+
+@pytest.mark.parametrize("isa", CPU_ISAS)
+def test_the_benchmarks_cpu_line_names_the_kernel_variant_and_the_xla_cap(isa, monkeypatch):
+    monkeypatch.setenv("JAXINFER_CPU_ISA", isa)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2")
+    assert cpu_description().endswith(f"; native kernels: {isa}; XLA AVX2")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
+    assert cpu_description().endswith("; native kernels: none (XLA serves)")
 
 
 def _bf16_bits(x) -> jax.Array:

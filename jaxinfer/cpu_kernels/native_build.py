@@ -91,7 +91,13 @@ def cpu_description() -> str:
     except OSError:
         pass
     present = [f for f in SIMD_FEATURES if f in cpu_flags()] or ["(none of the listed)"]
-    return f"CPU: {model}, {len(os.sched_getaffinity(0))} cores; features: {' '.join(present)}"
+    isa = best_isa()
+    kernels = f"native kernels: {isa.name if isa else 'none (XLA serves)'}"
+    # XLA's own code generation, capped by --xla_cpu_max_isa to run an AVX2 machine's code on a newer CPU.
+    caps = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa")]
+    xla = f"; XLA {caps[-1].partition('=')[2]}" if caps else ""
+    cores = len(os.sched_getaffinity(0))
+    return f"CPU: {model}, {cores} cores; features: {' '.join(present)}; {kernels}{xla}"
 
 
 @dataclasses.dataclass(frozen=True)

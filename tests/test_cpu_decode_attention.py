@@ -54,10 +54,10 @@ def test_kernels_build_wherever_the_cpu_allows(module, isa):
 def test_the_benchmarks_cpu_line_names_the_kernel_variant_and_the_xla_cap(isa, monkeypatch):
     monkeypatch.setenv("JAXINFER_CPU_ISA", isa)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2")
-    assert cpu_description().endswith(f"; native kernels: {isa}; XLA AVX2")
+    assert cpu_description().endswith(f"; native kernel ISA: {isa}; XLA AVX2")
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
-    assert cpu_description().endswith("; native kernels: none (XLA serves)")
+    assert cpu_description().endswith("; native kernel ISA: none (XLA serves)")
 
 
 def _bf16_bits(x) -> jax.Array:

@@ -81,7 +81,9 @@ SIMD_FEATURES = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512v
 
 
 def cpu_description() -> str:
-    """CPU model, usable cores and the SIMD features the native kernels care about (for benchmarks)."""
+    """CPU model, usable cores, the SIMD features the native kernels care about, the ISA whose kernel
+    variants run (where they build: `python -m jaxinfer.cpu_kernels` says) and XLA's own ISA cap, if any
+    (for benchmarks)."""
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -92,7 +94,7 @@ def cpu_description() -> str:
         pass
     present = [f for f in SIMD_FEATURES if f in cpu_flags()] or ["(none of the listed)"]
     isa = best_isa()
-    kernels = f"native kernels: {isa.name if isa else 'none (XLA serves)'}"
+    kernels = f"native kernel ISA: {isa.name if isa else 'none (XLA serves)'}"
     # XLA's own code generation, capped by --xla_cpu_max_isa to run an AVX2 machine's code on a newer CPU.
     caps = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_cpu_max_isa")]
     xla = f"; XLA {caps[-1].partition('=')[2]}" if caps else ""

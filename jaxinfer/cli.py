@@ -16,6 +16,7 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
+from jaxinfer.speculation.config import SpeculationConfig
 
 # quantization.QUANTIZATION_MODES, spelled out so that `jaxinfer --help` does not import jax
 QUANTIZATION_MODES = ("none", "int8", "int4")
@@ -100,6 +101,10 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
         "by reading the weights and drafts stop paying)",
     )  # fmt: skip
     p.add_argument("--draft-heads", default=None, help="draft heads folder (scripts/train_draft_heads.py)")
+    p.add_argument(
+        "--draft-min-probability", type=float, default=SpeculationConfig.draft_min_probability,
+        help="draft heads draft while their guess is at least this likely",
+    )  # fmt: skip
 
 
 _MODEL_DEFAULT = " (default: the model's recommended value, else %(off)s)"
@@ -135,7 +140,6 @@ def _sampling_fields(args: argparse.Namespace) -> dict:
 def _runtime_options(args: argparse.Namespace):
     from jaxinfer.runtime import RuntimeOptions, parse_memory_size
     from jaxinfer.sharding import parse_mesh
-    from jaxinfer.speculation.config import SpeculationConfig
 
     kwargs = {}
     if args.kv_cache_memory is not None:
@@ -151,7 +155,7 @@ def _runtime_options(args: argparse.Namespace):
         try:
             kwargs["speculation"] = SpeculationConfig(
                 method=args.speculative, num_draft_tokens=args.num_draft_tokens,
-                max_rows=args.speculative_max_rows,
+                max_rows=args.speculative_max_rows, draft_min_probability=args.draft_min_probability,
             )  # fmt: skip
         except ValueError as e:
             raise UserError(str(e)) from e

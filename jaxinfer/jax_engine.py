@@ -11,11 +11,13 @@ Programs, all compiled ahead of time and kept in a table keyed by their static s
                  listed slot), attending over N pages per row, the smallest page bucket that holds the
                  longest row, sampled in the same program. Kernels that read each row to its own
                  length (native, Pallas) need one page bucket: the whole page table.
-  verify(N, R):  speculative decoding (num_draft_tokens = k > 0): each of the first R slots runs its
-                 last token and up to k drafts as k + 1 positions, keeps the drafts the model agrees
-                 with and adds one token of its own (1 to k + 1 tokens per slot). A decode step is the
-                 same function with no drafts.
-With draft heads, prefill samplers and verify programs also propose each slot's next drafts.
+  verify(N, R, W): speculative decoding (num_draft_tokens = k > 0): each of the first R slots runs its
+                 last token and up to W drafts as W + 1 positions, keeps the drafts the model agrees
+                 with and adds one token of its own (1 to W + 1 tokens per slot); W is the narrowest
+                 width bucket (1, 2, 4, ..., k) holding the step's longest row of drafts. A decode
+                 step is the same function with no drafts.
+With draft heads, prefill samplers and verify programs also propose each slot's next drafts (W = 0: a
+decode step that proposes, after a step whose heads were unsure of every draft).
 Nothing else is traced while serving: `warmup()` compiles every bucket, and `compile_count` tells a test
 whether anything compiled later. With JAX's persistent compilation cache on, a second start reuses them.
 
@@ -122,9 +124,11 @@ def _step_logprobs(logits, tokens, settings, t: int):
     return chosen.reshape(n, t), vals.reshape(n, t, -1), ids.reshape(n, t, -1)
 
 
-def _propose(heads, params, config, kernels, hidden, token):
+def _propose(heads, params, config, kernels, hidden, token, min_probability):
     """The heads' drafts after `token` [n] from hidden [n, hidden_size]; None without heads."""
-    return None if heads is None else propose(heads, params, config, hidden, token, heads.depth, kernels)
+    if heads is None:
+        return None
+    return propose(heads, params, config, hidden, token, heads.depth, kernels, min_probability)
 
 
 def _prefill_forward(
@@ -161,6 +165,7 @@ def _prefill_sample(
     config: ModelConfig,
     kernels: KernelConfig,
     max_len: int,
+    min_probability: float,
 ) -> tuple[DecodeState, jax.Array]:
     """Samples a chunk's next token and sets up its slot: the one prefill program of every bucket."""
     slot, start, true_len = chunk[0], chunk[1], chunk[2]
@@ -189,7 +194,7 @@ def _prefill_sample(
         counts=put(state.counts, counts_row[0].at[token[0]].add(1)),
     )
     num_slots = state.tokens.shape[0]
-    drafts = _propose(heads, params, config, kernels, hidden, token)
+    drafts = _propose(heads, params, config, kernels, hidden, token, min_probability)
     row = _pack(token[:, None], is_last.astype(jnp.int32)[None], done, reason, logprobs, drafts)
     out = jnp.zeros((num_slots, row.shape[1]), jnp.int32).at[slot].set(row[0])
     return state, out
@@ -249,6 +254,7 @@ def _step(
     config: ModelConfig,
     kernels: KernelConfig,
     max_len: int,
+    min_probability: float,
 ) -> tuple[DecodeState, jax.Array]:
     """A decode (k = 0) or verification step as one program: _step_forward, then _step_sample.
 
@@ -261,8 +267,9 @@ def _step(
         params, state, positions, drafts, page_table, config=config, kernels=kernels
     )
     return _step_sample(
-        params, state, heads, hidden, positions, drafts, mask, config=config, kernels=kernels, max_len=max_len
-    )
+        params, state, heads, hidden, positions, drafts, mask, config=config, kernels=kernels,
+        max_len=max_len, min_probability=min_probability,
+    )  # fmt: skip
 
 
 def _step_sample(
@@ -277,6 +284,7 @@ def _step_sample(
     config: ModelConfig,
     kernels: KernelConfig,
     max_len: int,
+    min_probability: float,
 ) -> tuple[DecodeState, jax.Array]:
     """The sampling half of a step: sampling.verify_drafts keeps the drafts the target agrees with,
     and each row outputs those plus the target's next token (1 to k + 1 tokens; one with no drafts).
@@ -314,7 +322,7 @@ def _step_sample(
         counts=state.counts.at[rows[:, None], tokens].add(emitted),  # rows < n: in place, no slice
     )
     logprobs = _step_logprobs(logits.reshape(n * t, -1), tokens, sampling, t)
-    next_drafts = _propose(heads, params, config, kernels, hidden[rows, last], last_token)
+    next_drafts = _propose(heads, params, config, kernels, hidden[rows, last], last_token, min_probability)
     packed = _pack(tokens, num_tokens, done, reason, logprobs, next_drafts)
     return state, _all_slots(packed, num_slots)
 
@@ -378,9 +386,11 @@ class JaxEngine(api.Engine):
         kernels: KernelConfig | None = None,
         num_draft_tokens: int = 0,
         draft_heads: DraftHeads | None = None,
+        draft_min_probability: float = 0.0,
     ):
         """num_draft_tokens: most drafts a decode step verifies per row (0: no speculation);
-        draft_heads: heads that propose drafts in every prefill and verification step (replicated)."""
+        draft_heads: heads that propose drafts in every prefill and verification step (replicated);
+        draft_min_probability: the heads draft while their guess is at least this likely (propose)."""
         self.mesh = mesh or make_mesh()
         self.kernels = kernels or KernelConfig.for_backend(
             jax.default_backend(), "xla", single_device=self.mesh.size == 1
@@ -417,7 +427,18 @@ class JaxEngine(api.Engine):
             raise ValueError(
                 f"draft heads of hidden size {draft_heads.hidden_size}, not {config.hidden_size}"
             )
+        if not 0.0 <= draft_min_probability < 1.0:
+            raise ValueError(f"{draft_min_probability=} must be in [0, 1)")
         self._num_draft_tokens = num_draft_tokens
+        self._draft_min_probability = float(draft_min_probability)
+        # Verification widths (drafts per row): a step verifies the narrowest that holds its longest row
+        # of drafts, since each position costs every row of the step. Width 0 runs one token per row
+        # and only lets the heads propose (a step after one whose heads were unsure of everything).
+        self._verify_widths: tuple[int, ...] = ()
+        if num_draft_tokens:
+            self._verify_widths = ((0,) if draft_heads is not None else ()) + power_of_two_buckets(
+                1, num_draft_tokens
+            )
         replicated = NamedSharding(self.mesh, P())
         if draft_heads is not None:
             draft_heads = jax.device_put(for_serving(draft_heads, self.kernels), replicated)
@@ -506,7 +527,9 @@ class JaxEngine(api.Engine):
             # the sampler's packed rows go to the host, so every device holds them.
             out = NamedSharding(self.mesh, P()) if samples else None
             if samples:
-                fn = functools.partial(fn, max_len=self.max_seq_len)
+                fn = functools.partial(
+                    fn, max_len=self.max_seq_len, min_probability=self._draft_min_probability
+                )
             jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), out))
             program = jitted.lower(*args).compile()
             self._programs[key] = program
@@ -531,12 +554,21 @@ class JaxEngine(api.Engine):
         return self._run(("prefill_sample",), self.heads, hidden, chunk, *sample_args)
 
     def _decode_step(
-        self, positions: np.ndarray, drafts: np.ndarray, page_table: np.ndarray, mask: jax.Array | np.ndarray
+        self,
+        positions: np.ndarray,
+        drafts: np.ndarray | None,
+        page_table: np.ndarray,
+        mask: jax.Array | np.ndarray,
     ) -> jax.Array:
-        """A decode (no drafts: drafts [R, 0]) or verification step of the (N, R) bucket: packed rows."""
+        """A decode (drafts None) or verification step (drafts [R, width]) of the (N, R) bucket: packed
+        rows."""
         rows, pages = page_table.shape
-        kind, heads = ("verify", self.heads) if drafts.shape[1] else ("decode", None)
-        return self._run((kind, pages, rows), heads, positions, drafts, page_table, mask)
+        if drafts is None:
+            return self._run(("decode", pages, rows), None, positions, np.zeros((rows, 0), np.int32),
+                             page_table, mask)  # fmt: skip
+        return self._run(
+            ("verify", pages, rows, drafts.shape[1]), self.heads, positions, drafts, page_table, mask
+        )
 
     def _mask_rows(self, masks: np.ndarray | None, rows: int) -> jax.Array | np.ndarray:
         """Token masks [rows, words] in the model's vocabulary width: tokens a shorter tokenizer
@@ -579,9 +611,9 @@ class JaxEngine(api.Engine):
             return (self.cache_config.pages_per_seq,)
         return self._many_rows_page_buckets if rows > ROWS_AS_VECTORS else self._page_buckets
 
-    def _verify_page_buckets(self, rows: int) -> tuple[int, ...]:
-        """The page buckets of verification steps over `rows` rows of k + 1 tokens each."""
-        t = self._num_draft_tokens + 1
+    def _verify_page_buckets(self, rows: int, width: int) -> tuple[int, ...]:
+        """The page buckets of verification steps over `rows` rows of width + 1 tokens each."""
+        t = width + 1
         if self.native_attention(rows * t):  # each token attends as a decode row of its own
             return (self.cache_config.pages_per_seq,)
         return (
@@ -659,25 +691,31 @@ class JaxEngine(api.Engine):
     def decode(self, batch: api.DecodeBatch) -> api.PendingStep:
         listed = np.flatnonzero(batch.positions >= 0)
         rows = self._bucket(self._row_buckets, int(listed[-1]) + 1 if listed.size else 1)
-        verify = batch.drafts is not None
         positions = np.asarray(batch.positions[:rows], np.int32)
         reach = positions + 1  # positions each row's step writes
-        drafts = np.zeros((rows, 0), np.int32)
-        if verify:
+        drafts = None
+        if batch.drafts is not None:
             k = self._num_draft_tokens
             if k == 0 or batch.drafts.shape[1] > k:
                 raise ValueError(f"{batch.drafts.shape[1]} drafts per row; this engine verifies up to {k}")
-            drafts = np.full((rows, k), -1, np.int32)
-            drafts[:, : batch.drafts.shape[1]] = batch.drafts[:rows]
-            reach = reach + np.sum(np.cumprod(drafts >= 0, axis=1), axis=1)
-        buckets = self._verify_page_buckets(rows) if verify else self._decode_page_buckets(rows)
+            given = np.asarray(batch.drafts[:rows], np.int32)
+            counts = np.sum(np.cumprod(given >= 0, axis=1), axis=1)  # each row's drafts: up to its first -1
+            longest = int(np.max(counts, initial=0))
+            if longest or self.heads is not None:  # no drafts and no heads to propose: a plain step
+                drafts = np.full((rows, self._bucket(self._verify_widths, longest)), -1, np.int32)
+                drafts[:, :longest] = given[:, :longest]
+                reach = reach + counts
+        if drafts is None:
+            buckets = self._decode_page_buckets(rows)
+        else:
+            buckets = self._verify_page_buckets(rows, drafts.shape[1])
         pages = self._bucket(buckets, max(self._pages(int(np.max(reach, initial=0))), 1))
         page_table = np.zeros((rows, pages), np.int32)
         width = min(pages, batch.page_table.shape[1])
         page_table[:, :width] = batch.page_table[:rows, :width]
         packed = self._decode_step(positions, drafts, page_table, self._mask_rows(batch.token_mask, rows))
-        if verify:
-            return _Pending([packed], self._num_draft_tokens + 1, self.draft_heads_depth)
+        if drafts is not None:
+            return _Pending([packed], drafts.shape[1] + 1, self.draft_heads_depth)
         return _Pending([packed], 1, 0)
 
     def _prefill_args(self, t: int, pages: int) -> tuple:
@@ -708,7 +746,12 @@ class JaxEngine(api.Engine):
                 if pages >= self._prefill_pages(0, t)
             }
             decode = {(p, rows) for rows in self._row_buckets for p in self._decode_page_buckets(rows)}
-            verify = {(p, rows) for rows in self._verify_rows() for p in self._verify_page_buckets(rows)}
+            verify = {
+                (p, rows, w)
+                for rows in self._verify_rows()
+                for w in self._verify_widths
+                for p in self._verify_page_buckets(rows, w)
+            }
         else:
             chunk = self.max_prefill_chunk
             prefill = set()
@@ -729,19 +772,21 @@ class JaxEngine(api.Engine):
                 min(max(prompt_lengths) + max_new_tokens + self.max_draft_tokens, self.max_seq_len)
             )
             for rows in (r for r in self._verify_rows() if r <= most_rows):
-                buckets = self._verify_page_buckets(rows)
-                first, last = self._bucket(buckets, shortest), self._bucket(buckets, reach)
-                verify |= {(p, rows) for p in buckets if first <= p <= last}
-        steps = [(pages, rows, 0) for pages, rows in decode]
-        steps += [(pages, rows, self._num_draft_tokens) for pages, rows in verify]
+                for w in self._verify_widths:
+                    buckets = self._verify_page_buckets(rows, w)
+                    first, last = self._bucket(buckets, shortest), self._bucket(buckets, reach)
+                    verify |= {(p, rows, w) for p in buckets if first <= p <= last}
+        steps = [(pages, rows, None) for pages, rows in sorted(decode)]
+        steps += sorted(verify)
         budget = MappingBudget(len(prefill) + len(steps))
         for done, (t, pages) in enumerate(sorted(prefill), 1):
             self._prefill_chunk(*self._prefill_args(t, pages))
             budget.check(done)
-        for done, (pages, rows, k) in enumerate(sorted(steps), len(prefill) + 1):
+        for done, (pages, rows, width) in enumerate(steps, len(prefill) + 1):
+            drafts = None if width is None else np.full((rows, width), -1, np.int32)
             self._decode_step(
-                np.full(rows, -1, np.int32), np.full((rows, k), -1, np.int32),
-                np.zeros((rows, pages), np.int32), self._mask_rows(None, rows),
+                np.full(rows, -1, np.int32), drafts, np.zeros((rows, pages), np.int32),
+                self._mask_rows(None, rows),
             )  # fmt: skip
             budget.check(done)
         jax.block_until_ready(self.state)

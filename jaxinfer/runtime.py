@@ -379,6 +379,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         kernels=kernels,
         num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         draft_heads=_draft_heads(options, loaded.config) if spec is not None else None,
+        draft_min_probability=spec.draft_min_probability if spec is not None else 0.0,
     )
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s) in %.1fs", options.model, loaded.config.arch, seconds)

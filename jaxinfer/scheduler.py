@@ -591,8 +591,8 @@ class Scheduler:
         k = min(config.num_draft_tokens, seq.sampling.num_draft_tokens or config.num_draft_tokens, room)
         if k <= 0:
             return []
-        if self._method(seq) is SpeculativeMethod.HEADS:
-            return list(seq.head_drafts[:k])
+        if self._method(seq) is SpeculativeMethod.HEADS:  # the heads' sure drafts: up to the first -1
+            return list(itertools.takewhile(lambda t: t >= 0, seq.head_drafts[:k]))
         return propose_ngram(seq.all_token_ids, k, config.ngram_max, config.ngram_min)
 
     def _reserve_draft_pages(self, seq: SequenceState, num_drafts: int) -> int:
@@ -611,14 +611,17 @@ class Scheduler:
         self.num_accepted_tokens += accepted
         self.num_verify_rows += 1
         config = self.speculation
-        seq.accept_average = 0.7 * seq.accept_average + 0.3 * accepted
+        # Per full-width step: a narrower step costs less (JaxEngine verifies the narrowest width that
+        # holds the drafts), so one draft accepted half the time pays as well as k accepted k / 2 times.
+        per_step = accepted * config.num_draft_tokens / max(num_drafts, 1)
+        seq.accept_average = 0.7 * seq.accept_average + 0.3 * per_step
         if seq.accept_average < config.min_accepted and seq.num_drafted >= 4 * config.num_draft_tokens:
             # Paused, then tried again; a request whose drafts fail every time it tries waits twice as
             # long each time (every verification step costs every row of the batch the wider step).
             seq.speculation_paused = seq.next_pause or config.pause_steps
             seq.next_pause = min(2 * seq.speculation_paused, 16 * config.pause_steps)
             seq.accept_average = config.min_accepted  # a fresh start when it resumes
-        elif accepted >= config.min_accepted:
+        elif per_step >= config.min_accepted:
             seq.next_pause = 0
         keep = self._pages_for(seq.num_computed + 1)
         if len(seq.page_ids) > keep:
@@ -682,6 +685,7 @@ class Scheduler:
         constrained: list[tuple[Matcher, int]] = []
         speculating = self._speculation_on()
         drafts: dict[int, list[int]] = {}
+        heads_drafting = False  # some row drafts with heads: the step must propose its next drafts
         for slot, seq in enumerate(self._slot_owner):
             if seq is None or not self._wants_decode(seq) or not self._grow(seq):
                 continue
@@ -690,7 +694,9 @@ class Scheduler:
             seq.num_dispatched_outputs += 1
             if seq.matcher is not None:
                 constrained.append((seq.matcher, slot))
-            proposed = self._drafts(seq) if speculating and self._drafts_allowed(seq) else []
+            drafting = speculating and self._drafts_allowed(seq)
+            heads_drafting |= drafting and self._method(seq) is SpeculativeMethod.HEADS
+            proposed = self._drafts(seq) if drafting else []
             if seq.speculation_paused:
                 seq.speculation_paused -= 1
             if proposed:
@@ -706,7 +712,7 @@ class Scheduler:
                 masks = allow_all(self.num_slots, self._grammar.num_words)
                 self._grammar.fill_masks(constrained, masks)
             draft_array = None
-            if drafts:
+            if drafts or heads_drafting:
                 draft_array = np.full((self.num_slots, self.speculation.num_draft_tokens), -1, np.int32)
                 for slot, proposed in drafts.items():
                     draft_array[slot, : len(proposed)] = proposed
@@ -785,8 +791,8 @@ class Scheduler:
             for slot, (seq, epoch) in owners.items():
                 if not (seq.is_live and seq.epoch == epoch and bool(result.valid[slot])):
                     continue
-                if result.drafts is not None:
-                    seq.head_drafts = tuple(int(t) for t in result.drafts[slot])
+                # A step that proposed nothing leaves no drafts: the last ones would be for an old position.
+                seq.head_drafts = () if result.drafts is None else tuple(int(t) for t in result.drafts[slot])
                 count = int(result.num_tokens[slot])
                 entry = news.setdefault(seq.request_id, _News(seq))
                 reason = None

@@ -86,6 +86,10 @@ def main() -> None:
     ap.add_argument("--chat-prompts", type=int, default=4, help="one-stream chat prompts, run one at a time")
     ap.add_argument("--draft-heads", default=None)
     ap.add_argument(
+        "--draft-min-probability", type=float, default=SpeculationConfig.draft_min_probability,
+        help="heads draft while their guess is at least this likely",
+    )  # fmt: skip
+    ap.add_argument(
         "--crossover", type=int, nargs="*", default=None,
         help="instead: code edits at these stream counts with speculation forced on (max_rows = streams), "
         "to find where verifying drafts stops paying (SpeculationConfig.max_rows)",
@@ -98,8 +102,9 @@ def main() -> None:
 
     print(cpu_description())
     config = SpeculationConfig(
-        method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens, min_accepted=args.min_accepted
-    )
+        method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens,
+        min_accepted=args.min_accepted, draft_min_probability=args.draft_min_probability,
+    )  # fmt: skip
     options = RuntimeOptions(
         model=args.model, quantize=args.quantize, num_slots=args.streams, speculation=config,
         draft_heads=args.draft_heads,

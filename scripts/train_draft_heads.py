@@ -1,14 +1,16 @@
 """Trains draft heads for speculative decoding on text the target model generates itself.
 
-    .venv/bin/python scripts/train_draft_heads.py [--model smollm2-135m-instruct] [--prompts 384]
-        [--max-tokens 192] [--steps 800] [--out DIR]
+    .venv/bin/python scripts/train_draft_heads.py [--model smollm2-135m-instruct] [--prompts 436]
+        [--samples-per-prompt 4] [--max-tokens 256] [--steps 1600] [--out DIR]
 
 1. builds the runtime as `jaxinfer generate` would (--quantize auto: the weights the engine serves);
-2. answers the first --prompts of speculation_prompts.TRAINING_PROMPTS with the target itself, 16 at a
-   time, greedy and a share (--sampled-share) at temperature 0.7;
+2. answers the first --prompts of speculation_prompts.TRAINING_PROMPTS with the target itself, 48 at a
+   time, --samples-per-prompt answers each: the first greedy, the others at temperature 0.8 (the
+   heads keep learning from more of the model's own text; sampling varies it);
 3. runs the engine's own params and kernels over every prompt + answer once for the hidden states;
-4. fits the heads (speculation/training.py) and saves them with their metrics to --out (default
-   $JAXINFER_CACHE_DIR/draft_heads/<model>, ~/.cache/jaxinfer/draft_heads/<model> without it).
+4. fits the heads (speculation/training.py; prompts held out whole) and saves those of the best
+   held-out checkpoint with their metrics to --out (default $JAXINFER_CACHE_DIR/draft_heads/<model>,
+   ~/.cache/jaxinfer/draft_heads/<model> without it).
 
 Prints each phase's wall time and the held-out metrics: top-1 accuracy per depth (teacher-forced) and
 the expected drafts accepted per step under greedy verification.
@@ -37,15 +39,22 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"])
     p.add_argument(
-        "--prompts", type=int, default=384, help=f"training prompts (at most {len(TRAINING_PROMPTS)})"
+        "--prompts", type=int, default=len(TRAINING_PROMPTS),
+        help=f"training prompts (at most {len(TRAINING_PROMPTS)})",
+    )  # fmt: skip
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per answer")
+    p.add_argument(
+        "--samples-per-prompt", type=int, default=4,
+        help="answers per prompt: the first greedy (or sampled, per --sampled-share), the rest sampled",
+    )  # fmt: skip
+    p.add_argument("--slots", type=int, default=48, help="requests generated at once")
+    p.add_argument(
+        "--sampled-share", type=float, default=0.0, help="share of prompts whose first answer is sampled too"
     )
-    p.add_argument("--max-tokens", type=int, default=192, help="tokens generated per prompt")
-    p.add_argument("--slots", type=int, default=16, help="requests generated at once")
-    p.add_argument("--sampled-share", type=float, default=0.25, help="share of prompts sampled, not greedy")
-    p.add_argument("--temperature", type=float, default=0.7, help="temperature of the sampled share")
+    p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=800)
+    p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--freeze-output", action="store_true", help="keep the target's output rows as they are")
@@ -71,27 +80,28 @@ def main() -> None:
     load_seconds = time.perf_counter() - start
     print(f"loaded {model_name} ({runtime.model_info()['quantization']}) in {load_seconds:.1f}s")
 
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in prompts_text]
-    sampled = set(
-        np.random.default_rng(args.seed).permutation(len(prompts))[: round(args.sampled_share * len(prompts))]
+    encoded = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in prompts_text]
+    sampled_first = set(
+        np.random.default_rng(args.seed).permutation(len(encoded))[: round(args.sampled_share * len(encoded))]
     )
-    sampling = [
-        with_eos(
-            SamplingParams(
-                temperature=args.temperature if i in sampled else 0.0, max_tokens=args.max_tokens,
-                seed=args.seed + i,
-            ),
-            tokenizer.eos_ids,
-        )
-        for i in range(len(prompts))
-    ]  # fmt: skip
+    prompts, groups, sampling = [], [], []  # groups: each answer's prompt (held out together)
+    for i, prompt in enumerate(encoded):
+        for answer in range(args.samples_per_prompt):
+            sampled = answer > 0 or i in sampled_first
+            prompts.append(prompt)
+            groups.append(i)
+            sampling.append(with_eos(SamplingParams(
+                temperature=args.temperature if sampled else 0.0, max_tokens=args.max_tokens,
+                seed=args.seed + i * args.samples_per_prompt + answer,
+            ), tokenizer.eos_ids))  # fmt: skip
+    num_sampled = sum(s.temperature > 0 for s in sampling)
     start = time.perf_counter()
     completions = generate(engine, tokenizer, prompts, sampling)
     generate_seconds = time.perf_counter() - start
     generated = sum(len(c.token_ids) for c in completions)
     print(
-        f"generated {generated} tokens for {len(prompts)} prompts ({len(sampled)} sampled at "
-        f"temperature {args.temperature}) in {generate_seconds:.1f}s "
+        f"generated {generated} tokens for {len(encoded)} prompts ({len(prompts)} answers, {num_sampled} "
+        f"sampled at temperature {args.temperature}) in {generate_seconds:.1f}s "
         f"({generated / generate_seconds:.0f} tokens/s)"
     )
 
@@ -109,7 +119,8 @@ def main() -> None:
     heads, metrics = train_heads(
         engine.params, config, sequences, first_output, depth=args.depth, draft_vocab=args.draft_vocab,
         steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
-        holdout_fraction=args.holdout_fraction, train_output=not args.freeze_output, hidden=hidden, log=_log,
+        holdout_fraction=args.holdout_fraction, groups=groups, train_output=not args.freeze_output,
+        hidden=hidden, log=_log,
     )  # fmt: skip
     train_seconds = time.perf_counter() - start
     print(f"trained in {train_seconds:.1f}s: {metrics['examples']['train']} examples")
@@ -121,8 +132,9 @@ def main() -> None:
         "quantization": runtime.model_info()["quantization"],
         "kv_cache_dtype": engine.cache_config.dtype,
         "examples": metrics["examples"]["train"],
-        "prompts": len(prompts),
-        "sampled_prompts": len(sampled),
+        "prompts": len(encoded),
+        "answers": len(prompts),
+        "sampled_answers": num_sampled,
         "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "generated_tokens": generated,

@@ -29,6 +29,7 @@ from jaxinfer.speculation.training import (
     draft_vocabulary,
     hidden_states,
     output_rows,
+    split_sequences,
     train_heads,
     training_examples,
 )
@@ -78,6 +79,7 @@ def test_training_learns_a_deterministic_pattern(params):
     chance = 1 / 24
     assert hold["accuracy"][0] > 0.8 > 10 * chance, hold
     assert metrics["loss_end"] < 0.2 * metrics["loss_start"]
+    assert metrics["best_step"] % 25 == 0 and metrics["best_step"] > 0  # a checkpoint every tenth
     # The same split untrained: the accuracy is training's.
     _, untrained = train_heads(
         params, TINY, sequences, first, depth=2, draft_vocab=32, steps=0, seed=0, holdout_fraction=0.2
@@ -85,6 +87,16 @@ def test_training_learns_a_deterministic_pattern(params):
     assert untrained["examples"] == metrics["examples"] and untrained["holdout"]["accuracy"][0] < 0.3
     # Accepted drafts per step: sum over depths of the chain product, so between acc[0] and the sum.
     assert hold["accuracy"][0] - 1e-6 <= hold["accepted_per_step"] <= sum(hold["accuracy"]) + 1e-6
+
+
+def test_split_holds_out_whole_groups():
+    """Several answers to one prompt are one group: all of them train or all are held out."""
+    groups = np.repeat(np.arange(20), 3)  # 20 prompts, 3 answers each
+    train, hold = split_sequences(len(groups), 0.2, seed=4, groups=groups)
+    assert sorted(np.concatenate([train, hold]).tolist()) == list(range(60))
+    assert len(hold) == 12 and not set(groups[train]) & set(groups[hold])
+    plain_train, plain_hold = split_sequences(60, 0.2, seed=4)
+    assert len(plain_hold) == 12 and not set(plain_train) & set(plain_hold)
 
 
 def test_draft_vocabulary_orders_by_frequency():
@@ -118,6 +130,29 @@ def test_propose_agrees_with_unroll_logits(params):
     teacher = jnp.concatenate([token[:, None], drafts[:, :-1]], axis=1)  # inputs x[t+1 .. t+depth]
     logits = unroll_logits(heads, hidden, token_features(params, TINY, teacher))
     np.testing.assert_array_equal(np.asarray(heads.vocab[jnp.argmax(logits, -1)]), np.asarray(drafts))
+
+
+def test_propose_drafts_only_while_its_heads_are_sure(params):
+    """With min_probability, a row's drafts are the unthresholded drafts up to the first one whose
+    probability under its head is below it, then -1: the threshold cuts each row's chain at its own
+    depth."""
+    vocab = jnp.asarray(np.random.default_rng(7).permutation(TINY.vocab_size)[:40], jnp.int32)
+    heads = init_heads(jax.random.key(8), TINY.hidden_size, 3, vocab, output_rows(params, TINY, vocab))
+    heads = dataclasses.replace(heads, w=jax.random.normal(jax.random.key(9), heads.w.shape) * 0.3,
+                                out=heads.out * 6.0)  # fmt: skip
+    rows = 64
+    hidden = jax.random.normal(jax.random.key(10), (rows, TINY.hidden_size))
+    token = jnp.asarray(np.random.default_rng(11).integers(0, TINY.vocab_size, rows), jnp.int32)
+    every = np.asarray(propose(heads, params, TINY, hidden, token, 3))
+    teacher = jnp.concatenate([token[:, None], jnp.asarray(every[:, :-1])], axis=1)
+    p = np.asarray(jax.nn.softmax(unroll_logits(heads, hidden, token_features(params, TINY, teacher)), -1))
+    top = p.max(axis=-1)  # [rows, 3]: each draft's probability under its head
+    threshold = float(np.median(top))
+    sure = np.asarray(propose(heads, params, TINY, hidden, token, 3, min_probability=threshold))
+    kept = np.cumprod(top >= threshold, axis=1).astype(bool)
+    np.testing.assert_array_equal(sure, np.where(kept, every, -1))
+    depths = kept.sum(axis=1)
+    assert {0, 3} <= set(depths.tolist()) and len(set(depths.tolist())) >= 3  # rows stop at their own depth
 
 
 def test_save_and_load_round_trip(tmp_path, params):

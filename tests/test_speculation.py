@@ -16,6 +16,7 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
 from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
+from jaxinfer.scheduler import Scheduler, SequenceState
 from jaxinfer.speculation.config import SpeculationConfig
 from jaxinfer.speculation.draft_heads import init_heads
 from jaxinfer.speculation.ngram import propose_ngram
@@ -117,12 +118,20 @@ def test_greedy_verification_accepts_the_argmax_chain():
     np.testing.assert_array_equal(np.asarray(tokens), best)
 
 
-def _engine(config, k: int, heads: bool = False, slots: int = 4, kernels: KernelConfig | None = None):
+def _engine(
+    config,
+    k: int,
+    heads: bool = False,
+    slots: int = 4,
+    kernels: KernelConfig | None = None,
+    draft_min_probability: float = 0.0,
+    out_scale: float = 1.0,
+):
     params = random_params(config, seed=5)
     draft_heads = None
     if heads:
         vocab = np.arange(config.vocab_size, dtype=np.int32)
-        draft_heads = init_heads(jax.random.key(0), config.hidden_size, 3, vocab, params["embed"])
+        draft_heads = init_heads(jax.random.key(0), config.hidden_size, 3, vocab, params["embed"] * out_scale)
     return JaxEngine(
         params,
         config,
@@ -130,6 +139,7 @@ def _engine(config, k: int, heads: bool = False, slots: int = 4, kernels: Kernel
         num_draft_tokens=k,
         draft_heads=draft_heads,
         kernels=kernels,
+        draft_min_probability=draft_min_probability,
     )
 
 
@@ -153,6 +163,36 @@ def test_greedy_speculation_gives_the_plain_tokens(config, method):
     assert sum(c.num_draft_tokens for c in fast) > 0
     if method == "ngram":  # a random model soon repeats itself: prompt lookup must hit
         assert sum(c.num_accepted_tokens for c in fast) > 0
+
+
+def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
+    """Heads that draft only what they are sure of: steps verify the narrowest width bucket holding
+    their longest row of drafts (none: a one-token step that proposes), every width was warmed up,
+    and greedy output is still the plain output."""
+    engine = _engine(LLAMA, 4, heads=True, draft_min_probability=0.9, out_scale=8.0)
+    assert engine._verify_widths == (0, 1, 2, 4)
+    engine.warmup(prompt_lengths=[9, 14], max_new_tokens=40)
+    compiled = engine.compile_count
+    widths = []
+    run = engine._run
+
+    def logged(key, *args):
+        if key[0] == "verify":
+            widths.append(key[3])
+        return run(key, *args)
+
+    engine._run = logged
+    rng = np.random.default_rng(4)
+    prompts = [list(rng.integers(0, LLAMA.vocab_size, n)) for n in (9, 14)]
+    sampling = [SamplingParams(temperature=0, max_tokens=m) for m in (40, 31)]
+    tok = IdTokenizer(LLAMA.vocab_size)
+    plain = generate(engine, tok, prompts, sampling)
+    assert widths == []  # no speculation: plain steps, the heads never run
+    spec = SpeculationConfig(method="heads", num_draft_tokens=4, min_accepted=0.0)
+    fast = generate(engine, tok, prompts, sampling, speculation=spec)
+    assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
+    assert {0, 4} < set(widths)  # unsure steps, full ones and narrower ones
+    assert engine.compile_count == compiled  # every width bucket was compiled by warmup()
 
 
 def _mock_prompt(engine: MockEngine, sampling: SamplingParams, start: int, length: int) -> list[int]:
@@ -246,3 +286,18 @@ def test_greedy_speculation_with_the_native_kernels():
         fast = generate(engine, tok, prompts, sampling, speculation=spec)
         assert [c.token_ids for c in fast] == [c.token_ids for c in plain], method
         assert sum(c.num_draft_tokens for c in fast) > 0
+
+
+def test_the_pause_prices_a_narrow_step_by_its_width():
+    """One draft accepted every other step keeps drafting (a 1-draft verification costs little), where
+    k drafts of which every other step accepts one pause: the average is per full-width step."""
+    spec = SpeculationConfig(method="ngram", num_draft_tokens=4, min_accepted=0.5)
+    scheduler = Scheduler(num_slots=1, max_seq_len=64, max_prefill_chunk=16, page_size=8, num_pages=16,
+                          max_queue=1, speculation=spec)  # fmt: skip
+    for drafts, paused in ((1, False), (4, True)):
+        seq = SequenceState("r", (1, 2), SamplingParams(), None)
+        for step in range(40):
+            scheduler._after_verification(seq, drafts, 1 + step % 2)  # accepts 0, 1, 0, 1, ...
+            if seq.speculation_paused:
+                break
+        assert bool(seq.speculation_paused) is paused, drafts

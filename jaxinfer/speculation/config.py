@@ -20,10 +20,14 @@ class SpeculationConfig:
         bound by reading the weights, so verifying k + 1 positions per request costs about k + 1
         times a plain step and drafts stop paying (measured per backend: docs/benchmarks.md).
     min_accepted: a request whose recent verification steps accept fewer drafts per step than this
-        (an exponential average) stops drafting for `pause_steps` decode steps, then tries again (each
+        (an exponential average; a step of d < k drafts counts its accepted drafts times k / d, as a
+        narrower verification costs less) stops drafting for `pause_steps` decode steps, then tries again (each
         failed retry doubles the pause, up to 16x): a step that verifies drafts costs more than a plain
         one, for every request in it, so drafts that keep failing slow the batch down.
     ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
+    draft_min_probability: draft heads draft while their guess is at least this likely under them
+        (draft_heads.propose): on CPU a verified position costs a sixth to a third of a step, so a
+        draft the target takes less than about half the time does not pay (docs/benchmarks.md).
     """
 
     method: SpeculativeMethod = SpeculativeMethod.OFF
@@ -33,6 +37,7 @@ class SpeculationConfig:
     pause_steps: int = 16
     ngram_max: int = 4
     ngram_min: int = 2
+    draft_min_probability: float = 0.5
 
     def __post_init__(self):
         object.__setattr__(self, "method", SpeculativeMethod(self.method))
@@ -40,5 +45,7 @@ class SpeculationConfig:
             raise ValueError(
                 f"{self.num_draft_tokens=}, {self.max_rows=} must be >= 1, {self.pause_steps=} >= 0"
             )
+        if not 0.0 <= self.draft_min_probability < 1.0:
+            raise ValueError(f"draft_min_probability={self.draft_min_probability} must be in [0, 1)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min={self.ngram_min} <= ngram_max={self.ngram_max}")

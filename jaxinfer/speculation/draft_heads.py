@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 import jax
@@ -110,13 +111,22 @@ def propose(
     token: jax.Array,  # [rows] int32: each row's last output token
     num_drafts: int,
     kernels: KernelConfig = XLA_KERNELS,
+    min_probability: float = 0.0,
 ) -> jax.Array:
-    """Greedy drafts [rows, num_drafts] int32 for the positions after `token`."""
+    """Greedy drafts [rows, num_drafts] int32 for the positions after `token`, -1 from the first draft
+    whose probability under its head falls below `min_probability`: a row drafts only what its heads
+    are sure of, so an unsure step verifies few positions or none (a verification costs more per
+    position it runs; the engine picks the narrowest width that holds the batch's drafts)."""
     z, drafts = hidden.astype(jnp.float32), []
+    sure = jnp.ones(token.shape, bool)
     for i in range(num_drafts):
         z, logits = head_step(heads, i, z, token_features(params, config, token), kernels)
-        token = heads.vocab[jnp.argmax(logits, axis=-1)]
-        drafts.append(token)
+        best = jnp.argmax(logits, axis=-1)
+        if min_probability > 0:
+            top = jnp.take_along_axis(logits, best[:, None], axis=-1)[:, 0]
+            sure &= top - jax.nn.logsumexp(logits, axis=-1) >= math.log(min_probability)
+        token = heads.vocab[best]
+        drafts.append(jnp.where(sure, token, -1))
     return jnp.stack(drafts, axis=-1).astype(jnp.int32)
 
 

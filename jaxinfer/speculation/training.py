@@ -271,12 +271,20 @@ def evaluate(trained, fixed, table, examples: Examples, feature_index: np.ndarra
     }
 
 
-def split_sequences(count: int, holdout_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+def split_sequences(
+    count: int, holdout_fraction: float, seed: int, groups: Sequence[int] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """(train, holdout) sequence indices: whole sequences are held out, so no held-out example shares
-    a response with a training one."""
-    order = np.random.default_rng(seed).permutation(count)
-    held = min(count - 1, math.ceil(holdout_fraction * count)) if holdout_fraction > 0 else 0
-    return np.sort(order[held:]), np.sort(order[:held])
+    a response with a training one; with `groups` (a group id per sequence, e.g. its prompt), whole
+    groups are, so no held-out answer shares a prompt with a training one."""
+    group_of = np.arange(count) if groups is None else np.asarray(groups)
+    if len(group_of) != count:
+        raise ValueError(f"{len(group_of)} group ids for {count} sequences")
+    distinct = np.unique(group_of)
+    order = np.random.default_rng(seed).permutation(len(distinct))
+    held = min(len(distinct) - 1, math.ceil(holdout_fraction * len(distinct))) if holdout_fraction > 0 else 0
+    held_out = np.isin(group_of, distinct[order[:held]])
+    return np.flatnonzero(~held_out), np.flatnonzero(held_out)
 
 
 def train_heads(
@@ -294,6 +302,7 @@ def train_heads(
     train_output: bool = True,
     seed: int = 0,
     holdout_fraction: float = 0.1,
+    groups: Sequence[int] | None = None,
     hidden: Sequence[np.ndarray] | None = None,
     kernels: KernelConfig = XLA_KERNELS,
     cache_dtype: str = "float32",
@@ -305,16 +314,19 @@ def train_heads(
     hidden: the sequences' hidden states when already computed (hidden_states), else computed here with
     `kernels` and `cache_dtype`. train_output=False keeps the output rows at the target's own (fewer
     parameters to fit; on SmolLM2 it generalised no better). The draft vocabulary and the training
-    examples come from the training split; `holdout_fraction` of the sequences measure the result.
+    examples come from the training split; `holdout_fraction` of the sequences (of the `groups`, when
+    given: sequence i belongs to group groups[i], e.g. several answers to one prompt) measure the result.
+    The heads returned are those of the checkpoint (every tenth of the steps) that accepted the most
+    held-out drafts per step: with a few hundred answers the heads soon learn the training text by heart.
     Returns the heads and metrics: "holdout" (evaluate's dict), "train" (the same on up to 4096 training
-    examples), "loss_start" (the first batch's loss, before any update), "loss_end" (the mean over the
-    last 50 steps) and the sizes.
+    examples), "best_step", "loss_start" (the first batch's loss, before any update), "loss_end" (the
+    mean over the last 50 steps) and the sizes.
     """
     if len(sequences) != len(first_output_index):
         raise ValueError(f"{len(sequences)=} but {len(first_output_index)=}")
     if hidden is None:
         hidden = hidden_states(params, config, sequences, kernels, cache_dtype=cache_dtype)
-    train_ids, hold_ids = split_sequences(len(sequences), holdout_fraction, seed)
+    train_ids, hold_ids = split_sequences(len(sequences), holdout_fraction, seed, groups)
 
     def pick(ids: np.ndarray) -> tuple[list, list, list]:
         return [sequences[i] for i in ids], [hidden[i] for i in ids], [first_output_index[i] for i in ids]
@@ -358,6 +370,9 @@ def train_heads(
     rng = np.random.default_rng(seed + 1)
     batch_size = min(batch_size, len(train))
     order, cursor, losses = rng.permutation(len(train)), 0, []
+    hold_index = feature_index(holdout.inputs)
+    best, best_step, best_accepted = trained, 0, -1.0
+    interval = max(1, steps // 10)
     start = time.perf_counter()
     for step in range(steps):
         if cursor + batch_size > len(order):  # a new epoch
@@ -368,9 +383,17 @@ def train_heads(
             optimizer, trained, opt_state, fixed, hidden_dev, table, inputs_dev, targets_dev, batch
         )
         losses.append(loss)
-        if log is not None and (step + 1) % max(1, steps // 10) == 0:
-            recent = float(np.mean(np.asarray(jnp.stack(losses[-50:]))))
-            log(f"step {step + 1}/{steps}: loss {recent:.3f} ({time.perf_counter() - start:.1f}s)")
+        if (step + 1) % interval == 0 or step + 1 == steps:
+            accepted = -1.0
+            if len(holdout):
+                accepted = evaluate(trained, fixed, table, holdout, hold_index)["accepted_per_step"]
+            if accepted > best_accepted or not len(holdout):  # a copy: the next step donates `trained`
+                best, best_step, best_accepted = jax.tree.map(jnp.copy, trained), step + 1, accepted
+            if log is not None:
+                recent = float(np.mean(np.asarray(jnp.stack(losses[-50:]))))
+                log(f"step {step + 1}/{steps}: loss {recent:.3f}, held-out accepted drafts per step "
+                    f"{accepted:.3f} ({time.perf_counter() - start:.1f}s)")  # fmt: skip
+    trained = best
     losses_np = np.asarray(jnp.stack(losses)) if losses else np.zeros(0)
 
     sample = np.random.default_rng(seed + 2).permutation(len(train))[:4096]
@@ -383,9 +406,10 @@ def train_heads(
         "steps": steps,
         "batch_size": batch_size,
         "learning_rate": learning_rate,
+        "best_step": best_step,
         "loss_start": float(losses_np[0]) if len(losses_np) else None,  # before the first update
         "loss_end": float(losses_np[-50:].mean()) if len(losses_np) else None,
         "train": evaluate(trained, fixed, table, train_sample, feature_index(train_sample.inputs)),
-        "holdout": evaluate(trained, fixed, table, holdout, feature_index(holdout.inputs)),
+        "holdout": evaluate(trained, fixed, table, holdout, hold_index),
     }
     return _heads(trained, fixed), metrics

@@ -21,9 +21,9 @@ class SpeculationConfig:
         times a plain step and drafts stop paying (measured per backend: docs/benchmarks.md).
     min_accepted: a request whose recent verification steps accept fewer drafts per step than this
         (an exponential average; a step of d < k drafts counts its accepted drafts times k / d, as a
-        narrower verification costs less) stops drafting for `pause_steps` decode steps, then tries again (each
-        failed retry doubles the pause, up to 16x): a step that verifies drafts costs more than a plain
-        one, for every request in it, so drafts that keep failing slow the batch down.
+        narrower verification costs less) stops drafting for `pause_steps` decode steps, then tries
+        again (each failed retry doubles the pause, up to 16x): a step that verifies drafts costs more
+        than a plain one, for every request in it, so drafts that keep failing slow the batch down.
     ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
     draft_min_probability: draft heads draft while their guess is at least this likely under them
         (draft_heads.propose): on CPU a verified position costs a sixth to a third of a step, so a

@@ -371,7 +371,7 @@ def train_heads(
     batch_size = min(batch_size, len(train))
     order, cursor, losses = rng.permutation(len(train)), 0, []
     hold_index = feature_index(holdout.inputs)
-    best, best_step, best_accepted = trained, 0, -1.0
+    best, best_step, best_holdout = trained, 0, None  # best_holdout: evaluate's dict of `best`
     interval = max(1, steps // 10)
     start = time.perf_counter()
     for step in range(steps):
@@ -384,11 +384,11 @@ def train_heads(
         )
         losses.append(loss)
         if (step + 1) % interval == 0 or step + 1 == steps:
-            accepted = -1.0
-            if len(holdout):
-                accepted = evaluate(trained, fixed, table, holdout, hold_index)["accepted_per_step"]
-            if accepted > best_accepted or not len(holdout):  # a copy: the next step donates `trained`
-                best, best_step, best_accepted = jax.tree.map(jnp.copy, trained), step + 1, accepted
+            held = evaluate(trained, fixed, table, holdout, hold_index)
+            accepted = held.get("accepted_per_step", -1.0)
+            # No held-out examples: keep the latest. A copy: the next step donates `trained`.
+            if not len(holdout) or best_holdout is None or accepted > best_holdout["accepted_per_step"]:
+                best, best_step, best_holdout = jax.tree.map(jnp.copy, trained), step + 1, held
             if log is not None:
                 recent = float(np.mean(np.asarray(jnp.stack(losses[-50:]))))
                 log(f"step {step + 1}/{steps}: loss {recent:.3f}, held-out accepted drafts per step "
@@ -410,6 +410,6 @@ def train_heads(
         "loss_start": float(losses_np[0]) if len(losses_np) else None,  # before the first update
         "loss_end": float(losses_np[-50:].mean()) if len(losses_np) else None,
         "train": evaluate(trained, fixed, table, train_sample, feature_index(train_sample.inputs)),
-        "holdout": evaluate(trained, fixed, table, holdout, hold_index),
+        "holdout": best_holdout or evaluate(trained, fixed, table, holdout, hold_index),
     }
     return _heads(trained, fixed), metrics

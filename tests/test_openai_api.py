@@ -64,11 +64,15 @@ def chat_ids(text):
     return TOK.encode_chat([{"role": "user", "content": text}])
 
 
-def wait_idle(running, timeout_s=5.0):
+def wait_until(predicate, timeout_s=5.0):
     deadline = time.monotonic() + timeout_s
-    while running.orchestrator.stats()["num_live"]:
-        assert time.monotonic() < deadline, "requests still live"
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
+
+
+def wait_idle(running, timeout_s=5.0):
+    wait_until(lambda: running.orchestrator.stats()["num_live"] == 0, timeout_s)
 
 
 def test_chat_completion_matches_the_engine_and_counts_usage(server):
@@ -258,14 +262,15 @@ def test_a_client_that_disconnects_frees_its_slot():
             for line in r.iter_lines():
                 if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                     break
-        wait_idle(running, timeout_s=15.0)
+        # The slot frees when the scheduler ends the request; the stream thread counts it just after.
+        wait_until(lambda: running.orchestrator.stats()["finished"]["cancelled"] == 1, timeout_s=15.0)
         stats = running.orchestrator.stats()
-        assert stats["finished"]["cancelled"] == 1 and stats["num_free_slots"] == stats["num_slots"]
+        assert stats["num_live"] == 0 and stats["num_free_slots"] == stats["num_slots"]
         # A non-streamed request whose client gives up is cancelled too.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{base}/completions", json=body | {"stream": False}, headers=headers, timeout=0.3)
-        wait_idle(running, timeout_s=15.0)
-        assert running.orchestrator.stats()["finished"]["cancelled"] == 2
+        wait_until(lambda: running.orchestrator.stats()["finished"]["cancelled"] == 2, timeout_s=15.0)
+        assert running.orchestrator.stats()["num_live"] == 0
     finally:
         running.stop(1.0)
 

@@ -23,7 +23,7 @@ import dataclasses
 import functools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -457,6 +457,16 @@ class IdDetokenizer:
 
     def flush(self) -> str:
         return ""
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Polls `predicate` (a server's state seen from another thread) until it holds; AssertionError
+    after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.002)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import ssl
 import subprocess
-import time
 
 import grpc
 import httpx
@@ -19,7 +18,7 @@ from jaxinfer.client import InferenceClient
 from jaxinfer.orchestrator import Orchestrator
 from jaxinfer.request import ModelDefaults, SamplingParams
 from jaxinfer.service import TlsFiles, build_server
-from jaxinfer.testing import FakeTokenizer, MockEngine, mock_logprob
+from jaxinfer.testing import FakeTokenizer, MockEngine, mock_logprob, wait_until
 
 TOK = FakeTokenizer()
 MODEL = "mock-model"
@@ -62,13 +61,6 @@ def expected_text(engine, prompt_ids, **sampling):
 
 def chat_ids(text):
     return TOK.encode_chat([{"role": "user", "content": text}])
-
-
-def wait_until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def wait_idle(running, timeout_s=5.0):

@@ -10,7 +10,7 @@ import pytest
 
 from jaxinfer.orchestrator import NotAccepting, Orchestrator, QueueFull
 from jaxinfer.request import SamplingParams
-from jaxinfer.testing import FakeTokenizer, MockEngine
+from jaxinfer.testing import FakeTokenizer, MockEngine, wait_until
 
 TOK = FakeTokenizer()
 
@@ -31,14 +31,6 @@ def expected(engine, prompt, sampling):
     """MockEngine's reference with the EOS ids the orchestrator adds (unless ignore_eos)."""
     stop_ids = tuple(sampling.stop_token_ids) + (() if sampling.ignore_eos else TOK.eos_ids)
     return engine.reference_tokens(prompt, dataclasses.replace(sampling, stop_token_ids=stop_ids))
-
-
-def wait_until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.002)
 
 
 def test_concurrent_mixed_requests_stream_exact_tokens_and_text():

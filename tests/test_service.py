@@ -21,7 +21,7 @@ from jaxinfer.proto.jaxinfer.v1 import inference_pb2 as pb
 from jaxinfer.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
 from jaxinfer.request import SamplingParams
 from jaxinfer.service import SERVICE_NAME, build_server
-from jaxinfer.testing import FakeTokenizer, MockEngine
+from jaxinfer.testing import FakeTokenizer, MockEngine, wait_until
 
 TOK = FakeTokenizer()
 MODEL_INFO = {
@@ -66,14 +66,6 @@ def collect(stream):
     chunks = list(stream)
     tokens = [t for c in chunks for t in c.token_ids]
     return tokens, "".join(c.text for c in chunks), chunks[-1]
-
-
-def wait_until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.005)
 
 
 def test_concurrent_streaming_clients_get_exact_tokens_and_no_slot_leaks(server):

@@ -35,7 +35,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels import int4_matmul_supports, pack_int4, pack_weight
+from jaxinfer.cpu_kernels import exact_in_float16, int4_matmul_supports, pack_int4, pack_weight
 from jaxinfer.cpu_kernels import supports as supports_vnni
 from jaxinfer.models.params import Params
 from jaxinfer.weight_formats import (
@@ -157,16 +157,16 @@ def add_vnni(w: Int8Weight) -> Int8Weight:
     return Int8Weight(w.q, w.scale, w.vnni, _dequantize_bf16(w)) if w.bf16 is None else w
 
 
-_pack_int4 = jax.jit(pack_int4)
+_pack_int4 = jax.jit(pack_int4, static_argnames="half_scales")
 
 
 def pack_int4_weights(params: Params) -> Params:
-    """Replaces every Int4Weight matrix whose shape the native int4 kernel takes by its PackedInt4Weight
-    (stacked int4 expert weights stay as they are)."""
+    """Replaces every Int4Weight matrix whose shape the native int4 kernel takes by its PackedInt4Weight,
+    with float16 scales where that changes no value (stacked int4 expert weights stay as they are)."""
 
     def pack(path, name: str, w):
         if _is_matrix_int4(w) and int4_matmul_supports(*w.shape):
-            packed = _pack_int4(w)
+            packed = _pack_int4(w, half_scales=exact_in_float16(w))
             jax.tree.map(lambda a: a.delete(), w)
             return packed
         return w

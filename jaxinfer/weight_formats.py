@@ -128,8 +128,8 @@ class PackedInt4Weight:
     it and documents the layout); it replaces the Int4Weight, so the weight is held once."""
 
     packed: Any  # uint8 [out / 16, in / 8, 16, 4]
-    scale: Any  # float32 [out / 16, in / group_size, 16]
-    minimum: Any  # float32 [out / 16, in / group_size, 16]
+    scale: Any  # float32 [out / 16, in / group_size, 16], or float16 where every value is one exactly
+    minimum: Any  # [out / 16, in / group_size, 16], the scale's dtype
     group_size: int = 32
     in_features: int = 0
 

@@ -9,6 +9,7 @@ from jaxinfer.cpu_kernels.decode_attention import (
 from jaxinfer.cpu_kernels.decode_attention import supports as decode_attention_supports
 from jaxinfer.cpu_kernels.grouped_matmul import grouped_matmul_available as grouped_matmul_available
 from jaxinfer.cpu_kernels.int4_matmul import (
+    exact_in_float16,
     int4_matmul_available,
     int4_matmul_cpu,
     int4_matmul_cpu_reference,
@@ -30,6 +31,7 @@ __all__ = [
     "decode_attention_cpu",
     "decode_attention_cpu_reference",
     "decode_attention_supports",
+    "exact_in_float16",
     "int4_matmul_available",
     "int4_matmul_cpu",
     "int4_matmul_cpu_reference",

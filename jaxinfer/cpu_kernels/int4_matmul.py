@@ -8,8 +8,10 @@ AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2. The group minimums multiply the flo
 activations, so only the q * scale part sees activation rounding.
 
 `pack_int4` turns a weight_formats.Int4Weight into the kernel's PackedInt4Weight (the packed bytes replace
-the Int4Weight's, so the weight is held once); `unpack_int4` inverts it. `int4_matmul_cpu_reference` is
-the kernel's arithmetic in plain JAX.
+the Int4Weight's, so the weight is held once), with float16 scales and minimums where `exact_in_float16`
+says no value changes (GGUF's Q4_0 and Q4_1 blocks store theirs so): at a group of 32 that is 5 bits per
+weight instead of 6, and a one-row product is bound by the bytes it reads. `unpack_int4` inverts it.
+`int4_matmul_cpu_reference` is the kernel's arithmetic in plain JAX.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.cpu_kernels.native_build import NativeKernel
 from jaxinfer.weight_formats import Int4Weight, PackedInt4Weight
@@ -41,16 +44,27 @@ def supports(out_features: int, in_features: int) -> bool:
     return out_features % BLOCK_N == 0 and in_features % ACTIVATION_BLOCK == 0
 
 
-def pack_int4(w: Int4Weight) -> PackedInt4Weight:
+def exact_in_float16(w: Int4Weight) -> bool:
+    """Whether every scale and minimum of `w` is a float16 value exactly (reads them to the host)."""
+    for a in (w.scale, w.minimum):
+        a = np.asarray(a, np.float32)
+        if not np.array_equal(a.astype(np.float16).astype(np.float32), a):
+            return False
+    return True
+
+
+def pack_int4(w: Int4Weight, half_scales: bool = False) -> PackedInt4Weight:
     """Int4Weight [out, in] -> the kernel layout: packed uint8 [out/16, in/8, 16, 4], where byte j of
     output lane o in chunk c holds q[o, 8c + j] in its low nibble and q[o, 8c + 4 + j] in its high one
-    (one 64-byte load feeds two vpdpbusd over four inputs each); scale and minimum [out/16, groups, 16]."""
+    (one 64-byte load feeds two vpdpbusd over four inputs each); scale and minimum [out/16, groups, 16],
+    float16 with `half_scales` (lossless only where exact_in_float16(w)), else float32."""
     out_features, in_features = w.shape
     q = w.values().reshape(out_features // BLOCK_N, BLOCK_N, in_features // CHUNK_K, 2, 4)
     packed = (q[:, :, :, 0] | (q[:, :, :, 1] << 4)).transpose(0, 2, 1, 3)
 
     def lanes(a: jax.Array) -> jax.Array:
-        return a.reshape(out_features // BLOCK_N, BLOCK_N, -1).transpose(0, 2, 1).astype(jnp.float32)
+        a = a.reshape(out_features // BLOCK_N, BLOCK_N, -1).transpose(0, 2, 1)
+        return a.astype(jnp.float16 if half_scales else jnp.float32)
 
     return PackedInt4Weight(packed, lanes(w.scale), lanes(w.minimum), w.group_size, in_features)
 
@@ -62,7 +76,7 @@ def unpack_int4(p: PackedInt4Weight) -> Int4Weight:
     q = pairs.transpose(0, 2, 1, 3, 4).reshape(blocks * BLOCK_N, chunks * CHUNK_K)
 
     def rows(a: jax.Array) -> jax.Array:
-        return a.transpose(0, 2, 1).reshape(blocks * BLOCK_N, -1)
+        return a.transpose(0, 2, 1).reshape(blocks * BLOCK_N, -1).astype(jnp.float32)
 
     return Int4Weight.from_values(q, rows(p.scale), rows(p.minimum), p.group_size)
 

@@ -142,34 +142,44 @@ def test_native_int4_kernel_matches_its_reference(isa, rows, out_features, in_fe
     assert _rel(got, x @ w.dequantize().T) < 3e-2
 
 
-@pytest.mark.parametrize("isa", ISAS_HERE or ["none"])
-def test_float16_scales_pack_only_where_exact_and_compute_the_same(isa):
-    if isa == "none":
-        pytest.skip(f"{platform.machine()} has neither AVX2 nor AVX-512 VNNI")
-    rng = np.random.default_rng(7)
-    # GGUF Q4_1 blocks store d and m as float16: the kernel may read them so, a sixth fewer bytes.
+def _q4_1_weight(rng) -> Int4Weight:
+    """A [48, 160] weight from random GGUF Q4_1 blocks: scales and minimums stored as float16."""
     q, scale, minimum = int4_blocks(
         _gguf_rows(gguf.GGMLQuantizationType.Q4_1, 48, 160, rng), gguf.GGMLQuantizationType.Q4_1
     )
-    gguf_weight = Int4Weight.from_values(jnp.asarray(q), jnp.asarray(scale), jnp.asarray(minimum), 32)
+    return Int4Weight.from_values(jnp.asarray(q), jnp.asarray(scale), jnp.asarray(minimum), 32)
+
+
+def test_float16_scales_pack_only_where_exact():
+    rng = np.random.default_rng(7)
+    gguf_weight = _q4_1_weight(rng)
     assert exact_in_float16(gguf_weight)
     half, full = pack_int4(gguf_weight, half_scales=True), pack_int4(gguf_weight)
     assert half.scale.dtype == half.minimum.dtype == jnp.float16 and full.scale.dtype == jnp.float32
     assert weight_bytes(half) < 0.84 * weight_bytes(full)  # 5 bits per weight against 6
     for a, b in zip(jax.tree.leaves(unpack_int4(half)), jax.tree.leaves(gguf_weight)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for rows in (1, 5, 6):
-        x = jnp.asarray(rng.normal(size=(rows, 160)), jnp.float32)
-        run = jax.jit(lambda x, w: int4_matmul_cpu(x, w, isa=isa))
-        got = run(x, half)  # the same values as the float32 form, read narrower
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(run(x, full)))
-        assert _rel(got, int4_matmul_cpu_reference(x, gguf_weight)) < 1e-5
     # Round-to-nearest from float: float32 scales that float16 would change stay float32.
     rounded = _weight(rng, 48, 160, 32)
     assert not exact_in_float16(rounded)
     params = pack_int4_weights({"layers": [{"down_proj": rounded, "up_proj": gguf_weight}]})
     assert params["layers"][0]["down_proj"].scale.dtype == jnp.float32
     assert params["layers"][0]["up_proj"].scale.dtype == jnp.float16
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE or ["none"])
+def test_native_int4_kernel_reads_float16_scales_as_their_float32_values(isa):
+    if isa == "none":
+        pytest.skip(f"{platform.machine()} has neither AVX2 nor AVX-512 VNNI")
+    rng = np.random.default_rng(7)
+    gguf_weight = _q4_1_weight(rng)
+    half, full = pack_int4(gguf_weight, half_scales=True), pack_int4(gguf_weight)
+    run = jax.jit(lambda x, w: int4_matmul_cpu(x, w, isa=isa))
+    for rows in (1, 5, 6):
+        x = jnp.asarray(rng.normal(size=(rows, 160)), jnp.float32)
+        got = run(x, half)  # the same values as the float32 form, read narrower
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(run(x, full)))
+        assert _rel(got, int4_matmul_cpu_reference(x, gguf_weight)) < 1e-5
 
 
 @pytest.mark.parametrize("rows", [1, 5])

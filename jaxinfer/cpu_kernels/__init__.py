@@ -21,7 +21,6 @@ from jaxinfer.cpu_kernels.int8_matmul_vnni import (
     int8_matmul_vnni,
     int8_matmul_vnni_reference,
     pack_weight,
-    quantize_activations,
     supports,
     vnni_available,
 )
@@ -40,7 +39,6 @@ __all__ = [
     "int8_matmul_vnni_reference",
     "pack_int4",
     "pack_weight",
-    "quantize_activations",
     "supports",
     "unpack_int4",
     "vnni_available",

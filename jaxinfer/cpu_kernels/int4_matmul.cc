@@ -3,8 +3,8 @@
 //   out[m, n] = sum_b xs[m, b] * scale[n, g(b)] * sum_{k in b} xq[m, k] * q[n, k]
 //             + sum_g minimum[n, g] * sum_{k in g} x[m, k]
 //
-// x       f32 [M, K]               activations; quantised here per row and block of 32 (symmetric int8,
-//                                  round to nearest even), their exact float sums kept per block
+// x       f32 [M, K]               activations; quantised on entry per row and block of 32 (symmetric
+//                                  int8, quantize_activations.h), their exact float sums kept per group
 // w       u8  [N/16, K/8, 16, 4]   4-bit q in [0, 15]: byte j of output lane o in chunk c holds
 //                                  q[o, 8c + j] (low nibble) and q[o, 8c + 4 + j] (high nibble)
 // scale   f32 or f16 [N/16, G, 16] per output and group of K/G inputs (32 or 128)
@@ -24,6 +24,7 @@
 
 #include "isa.h"
 #include "parallel_for.h"
+#include "quantize_activations.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -31,7 +32,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int kBlockN = 16;  // outputs per packed vector group
-constexpr int kBlockK = 32;  // inputs per activation scale
+constexpr int kBlockK = jaxinfer::kActivationBlock;  // inputs per activation scale
 constexpr int kChunkK = 8;   // inputs per 64 packed bytes
 
 struct Problem {
@@ -45,56 +46,6 @@ struct Problem {
   float* out;
   int64_t m, n, k, groups, blocks_per_group;
 };
-
-// One block of 32 activations: int8 values at scale amax / 127 (round half to even, as the reference's
-// jnp.round), the scale, and the block's float sum.
-inline void QuantizeBlock(const float* src, int8_t* dst, float* scale, float* sum) {
-#if defined(__AVX512F__)
-  const __m512 a = _mm512_loadu_ps(src), b = _mm512_loadu_ps(src + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-  const float s = amax == 0.0f ? 1.0f : amax / 127.0f;
-  const __m512 sv = _mm512_set1_ps(s);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(a, sv))));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16),
-                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_div_ps(b, sv))));
-#else
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 v[4], m = _mm256_setzero_ps(), t = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(src + 8 * i);
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-    t = _mm256_add_ps(t, v[i]);
-  }
-  alignas(32) float lanes[8], sums[8];
-  _mm256_store_ps(lanes, m);
-  _mm256_store_ps(sums, t);
-  float amax = 0.0f, total = 0.0f;
-  for (int i = 0; i < 8; ++i) amax = std::max(amax, lanes[i]), total += sums[i];
-  *sum = total;
-  const float s = amax == 0.0f ? 1.0f : amax / 127.0f;
-  const __m256 sv = _mm256_set1_ps(s);
-  __m256i q[4];
-  for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_div_ps(v[i], sv));
-  // |x / s| <= 127, so the saturating packs are exact; they interleave 128-bit lanes, undone by the permute.
-  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-#endif
-  *scale = s;
-}
-
-// Per row: int8 values, one scale per block of 32, float sums per weight group.
-void QuantizeRows(const float* x, int64_t m, int64_t k, int64_t group, int8_t* xq, float* xs, float* xsum) {
-  const int64_t blocks = k / kBlockK;
-  for (int64_t r = 0; r < m; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      float sum;
-      QuantizeBlock(x + r * k + b * kBlockK, xq + r * k + b * kBlockK, xs + r * blocks + b, &sum);
-      xsum[r * (k / group) + b * kBlockK / group] += sum;
-    }
-  }
-}
 
 #if defined(__AVX512VNNI__)
 
@@ -263,11 +214,14 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
     return ffi::Error::InvalidArgument("int4_matmul: scale and minimum must be both float32 or both float16");
   if (m == 0) return ffi::Error::Success();
   const int64_t group = k / groups;
+  const int64_t blocks_per_row = k / kBlockK, blocks_per_group = group / kBlockK;
   std::vector<int8_t> xq(m * k);
-  std::vector<float> xs(m * (k / kBlockK)), xsum(m * groups, 0.0f);
-  QuantizeRows(x.typed_data(), m, k, group, xq.data(), xs.data(), xsum.data());
+  std::vector<float> xs(m * blocks_per_row), block_sum(m * blocks_per_row), xsum(m * groups, 0.0f);
+  std::vector<int32_t> q_sum(m * blocks_per_row);
+  jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, xq.data(), xs.data(), block_sum.data(), q_sum.data());
+  for (int64_t b = 0; b < m * blocks_per_row; ++b) xsum[b / blocks_per_group] += block_sum[b];
   Problem p{xq.data(), xs.data(), xsum.data(), w.typed_data(), scale.untyped_data(), minimum.untyped_data(),
-            kind == ffi::DataType::F16, out->typed_data(), m, wd[0] * kBlockN, k, groups, group / kBlockK};
+            kind == ffi::DataType::F16, out->typed_data(), m, wd[0] * kBlockN, k, groups, blocks_per_group};
 
   const int64_t blocks = wd[0];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());

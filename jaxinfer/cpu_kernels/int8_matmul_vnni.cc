@@ -2,10 +2,8 @@
 //
 //   out[m, n] = w_scale[n] * sum_b x_scale[m, b] * sum_{k in block b} x_q[m, k] * w_q[n, k]
 //
-// x_q     s8  [M, K]        activations quantised per row and per block of K (int8_matmul_vnni.py), in
-//                           [-127, 127]
-// x_scale f32 [M, KB]       one scale per row and block (block = K / KB)
-// x_comp  s32 [M, KB]       128 * the sum of x_q over each block (read by the AVX-512 path only)
+// x       f32 [M, K]        activations, quantised on entry (quantize_activations.h) to x_q in [-127, 127]
+//                           with one scale x_scale per row and block of 32 inputs
 // w       u8  [N/16, K/4, 16, 4]  w_q + 128, packed so one 64-byte load holds 4 consecutive k of 16 outputs
 // w_scale f32 [N]           per-output-channel weight scale
 // out     f32 [M, N]
@@ -24,9 +22,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "isa.h"
 #include "parallel_for.h"
+#include "quantize_activations.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -174,18 +174,22 @@ void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
   for (; n < n_end; n += kBlockN) Rows<1>(p, n);
 }
 
-ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> x_scale,
-                          ffi::Buffer<ffi::S32> x_comp, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> w_scale,
-                          ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = x_scale.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || sd.size() != 2 || wd[2] != kBlockN || wd[3] != 4)
-    return ffi::Error::InvalidArgument("int8_matmul_vnni: want x [M, K], x_scale [M, KB], w [N/16, K/4, 16, 4]");
-  Problem p{x.typed_data(), x_scale.typed_data(), x_comp.typed_data(), w.typed_data(), w_scale.typed_data(),
-            out->typed_data(), xd[0], wd[0] * kBlockN, xd[1], sd[1], 0};
-  if (wd[1] * 4 != p.k || sd[0] != p.m || p.kb <= 0 || p.k % (4 * p.kb) != 0)
-    return ffi::Error::InvalidArgument("int8_matmul_vnni: K, blocks and weight layout disagree");
-  p.block = p.k / p.kb;
-  if (p.m == 0) return ffi::Error::Success();
+ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> out) {
+  const auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 4 || wd[2] != kBlockN || wd[3] != 4)
+    return ffi::Error::InvalidArgument("int8_matmul_vnni: want x [M, K], w [N/16, K/4, 16, 4]");
+  const int64_t m = xd[0], k = xd[1], kb = k / jaxinfer::kActivationBlock;
+  if (wd[1] * 4 != k || k % jaxinfer::kActivationBlock != 0 || kb == 0)
+    return ffi::Error::InvalidArgument("int8_matmul_vnni: K must be a positive multiple of 32 and fit the weight");
+  if (m == 0) return ffi::Error::Success();
+  std::vector<int8_t> x_q(m * k);
+  std::vector<float> x_scale(m * kb), x_sum(m * kb);
+  std::vector<int32_t> x_comp(m * kb);
+  jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, x_q.data(), x_scale.data(), x_sum.data(), x_comp.data());
+  for (int32_t& c : x_comp) c *= 128;
+  Problem p{x_q.data(), x_scale.data(), x_comp.data(), w.typed_data(), w_scale.typed_data(),
+            out->typed_data(), m, wd[0] * kBlockN, k, kb, jaxinfer::kActivationBlock};
 
   constexpr int64_t kGroup = kBlocks * kBlockN;
   const int64_t groups = (p.n + kGroup - 1) / kGroup;
@@ -203,9 +207,7 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int8_matmul_vnni), Int8MatmulVnni,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

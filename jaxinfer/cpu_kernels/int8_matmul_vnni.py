@@ -8,8 +8,9 @@ bytes: vpdpbusd on AVX-512 VNNI (the same product in ~11 ms), vpmaddubsw + vpmad
 of the activations moved onto the weights, so no 16-bit pair sum saturates). Both read the one packed
 layout.
 
-Activations are quantised per row and per block of ACTIVATION_BLOCK input channels (symmetric, int8),
-so an outlier channel coarsens only its own block of 32 (llama.cpp quantises activations the same way).
+The kernel takes float activations and quantises them per row and per block of ACTIVATION_BLOCK input
+channels (symmetric, int8; quantize_activations.h, shared with the int4 kernel), so an outlier channel
+coarsens only its own block of 32 (llama.cpp quantises activations the same way).
 `int8_matmul_vnni_reference` is the same arithmetic in plain JAX.
 """
 
@@ -51,15 +52,6 @@ def pack_weight(q: jax.Array) -> jax.Array:
     return blocks.transpose(0, 2, 1, 3)
 
 
-def quantize_activations(x: jax.Array, blocks: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [rows, in] float -> (x_q int8 [rows, in], scale float32 [rows, blocks], 128 * block sums of x_q
-    int32 [rows, blocks]); x ~= x_q * scale within each block (pallas_kernels.quantize_int8's groups)."""
-    rows, in_features = x.shape
-    x_q, scale = quantize_int8(x, group_size=in_features // blocks)
-    comp = OFFSET * jnp.sum(x_q.reshape(rows, blocks, -1).astype(jnp.int32), axis=-1)
-    return x_q, scale, comp
-
-
 def int8_matmul_vnni(
     x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
 ) -> jax.Array:
@@ -67,18 +59,18 @@ def int8_matmul_vnni(
     channel) -> [rows, out] float32. Runs the chosen variant (KERNEL.chosen_isa(); needs
     vnni_available()), or the one named by `isa` ("avx512_vnni", "avx2"), which this CPU must support."""
     target = KERNEL.target(SYMBOL, isa)  # registers it on first use
-    rows, in_features = x.shape
-    out_features = packed.shape[0] * BLOCK_N
-    x_q, x_scale, x_comp = quantize_activations(x, in_features // ACTIVATION_BLOCK)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, out_features), jnp.float32))
-    return call(x_q, x_scale, x_comp, packed, scale.astype(jnp.float32))
+    if x.ndim != 2 or x.shape[1] != packed.shape[1] * BLOCK_K:
+        raise ValueError(f"x {x.shape} does not fit a packed int8 weight of {packed.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * BLOCK_N), jnp.float32)
+    call = jax.ffi.ffi_call(target, out)
+    return call(x.astype(jnp.float32), packed, scale.astype(jnp.float32))
 
 
 def int8_matmul_vnni_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     """The kernel's arithmetic in plain JAX, on the unpacked int8 weight q [out, in]."""
     rows, in_features = x.shape
     blocks = in_features // ACTIVATION_BLOCK
-    x_q, x_scale, _ = quantize_activations(x, blocks)
+    x_q, x_scale = quantize_int8(x.astype(jnp.float32), group_size=ACTIVATION_BLOCK)
     partial = jnp.einsum(
         "rbk,obk->rbo", x_q.reshape(rows, blocks, -1), q.reshape(q.shape[0], blocks, -1),
         preferred_element_type=jnp.int32,

@@ -195,10 +195,12 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   const int64_t groups = (p.n + kGroup - 1) / kGroup;
   const int64_t per_chunk = std::max<int64_t>(1, groups / (8 * std::max<int64_t>(1, pool.num_threads())));
   const int64_t chunks = (groups + per_chunk - 1) / per_chunk;
+  // Split from 512K multiply-adds, even at one row, as the int4 kernel: a matrix-vector product is bound
+  // by memory, which one core does not saturate.
   jaxinfer::ParallelFor(pool, chunks, p.m * p.n * p.k, [&p, per_chunk](int64_t c) {
     const int64_t begin = c * per_chunk * kGroup;
     Columns(p, begin, std::min(p.n, begin + per_chunk * kGroup));
-  });
+  }, int64_t{1} << 19);
   return ffi::Error::Success();
 }
 

@@ -495,8 +495,11 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<Cac
     const int64_t end = std::clamp<int64_t>(p.lengths[r], 0, p.table_width * p.page_size);
     keys += p.window > 0 ? std::min(end, p.window) : end;
   }
+  // Split from 128K multiply-adds (one row of SmolLM2 from ~110 keys): a layer's attention at one row
+  // reads its keys at one core's pace otherwise, and the pool thread left idle through it and the small
+  // product after it has gone to sleep when the next large product wants it (joining ~26 us late).
   jaxinfer::ParallelFor(pool, p.rows * p.kv_heads, 2 * keys * p.heads * p.dim,
-                        [&p](int64_t item) { RowHead<T>(p, item); });
+                        [&p](int64_t item) { RowHead<T>(p, item); }, int64_t{1} << 17);
   return ffi::Error::Success();
 }
 

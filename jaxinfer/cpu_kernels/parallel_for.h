@@ -14,7 +14,8 @@ namespace jaxinfer {
 
 // Work below this many multiply-adds runs on the calling thread alone: waking a pool thread costs
 // more than it saves (a SmolLM2 decode step at one slot: ~9 -> ~12 ms when every layer's attention
-// handed a few microseconds of work to the pool).
+// handed a few microseconds of work to the pool). Kernels whose one-row work streams from memory pass
+// a lower threshold (the products from 512K, attention from 128K).
 constexpr int64_t kMinParallelWork = int64_t{1} << 21;
 
 // Runs body(i) for i in [0, n), `multiply_adds` of work in all (split from `min_work` on). Items are

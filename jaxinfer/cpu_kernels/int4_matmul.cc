@@ -217,8 +217,7 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const int64_t blocks_per_row = k / kBlockK, blocks_per_group = group / kBlockK;
   std::vector<int8_t> xq(m * k);
   std::vector<float> xs(m * blocks_per_row), block_sum(m * blocks_per_row), xsum(m * groups, 0.0f);
-  std::vector<int32_t> q_sum(m * blocks_per_row);
-  jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, xq.data(), xs.data(), block_sum.data(), q_sum.data());
+  jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, xq.data(), xs.data(), block_sum.data(), nullptr);
   for (int64_t b = 0; b < m * blocks_per_row; ++b) xsum[b / blocks_per_group] += block_sum[b];
   Problem p{xq.data(), xs.data(), xsum.data(), w.typed_data(), scale.untyped_data(), minimum.untyped_data(),
             kind == ffi::DataType::F16, out->typed_data(), m, wd[0] * kBlockN, k, groups, blocks_per_group};

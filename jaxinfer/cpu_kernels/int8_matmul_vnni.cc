@@ -186,9 +186,9 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
     return ffi::Error::InvalidArgument("int8_matmul_vnni: K must be a positive multiple of 32 and fit the weight");
   if (m == 0) return ffi::Error::Success();
   std::vector<int8_t> x_q(m * k);
-  std::vector<float> x_scale(m * kb), x_sum(m * kb);
+  std::vector<float> x_scale(m * kb);
   std::vector<int32_t> x_comp(m * kb);
-  jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, x_q.data(), x_scale.data(), x_sum.data(), x_comp.data());
+  jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, x_q.data(), x_scale.data(), nullptr, x_comp.data());
   for (int32_t& c : x_comp) c *= 128;
   Problem p{x_q.data(), x_scale.data(), x_comp.data(), w.typed_data(), w_scale.typed_data(),
             out->typed_data(), m, wd[0] * kBlockN, k, kb, jaxinfer::kActivationBlock};

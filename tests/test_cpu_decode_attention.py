@@ -238,6 +238,44 @@ def test_kernel_on_scattered_pages_matches_dense_attention(cache_dtype, page_siz
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits", "int8"])
+# Fewer (row, KV head) items than two per pool thread (on 2+ threads): the kernel cuts each item's keys
+# into parts with their own softmaxes and merges them. Gemma 3's shape (one KV head, four query heads,
+# head dim 256) and SmolLM2's (three KV heads, groups of 3); a row far longer than the other so most of
+# its parts are empty, an inactive row, a window, a softcap.
+@pytest.mark.parametrize(
+    "kv,heads,dim,lengths,window,softcap",
+    [
+        (1, 4, 256, [611], None, None),
+        (1, 4, 256, [517, 5], 300, 30.0),
+        (3, 9, 64, [1000], None, None),
+        (1, 3, 48, [777, 0, 129], None, 20.0),
+    ],
+)
+def test_keys_split_into_parts_merge_exactly(cache_dtype, kv, heads, dim, lengths, window, softcap, isa):
+    rng = np.random.default_rng(sum(lengths) + dim)
+    rows, page_size, layer = len(lengths), 16, 0
+    dense_k, dense_v = (rng.normal(size=(rows, kv, max(lengths), dim)) for _ in range(2))
+    (k_pool, v_pool), table = _scatter_into_pages(rng, [dense_k, dense_v], lengths, page_size, 1, layer)
+    scales = {}
+    if cache_dtype == "int8":  # random int8 pools in the same page layout
+        k_pages, scales["k_scale"] = _int8_pages(rng, k_pool.shape)
+        v_pages, scales["v_scale"] = _int8_pages(rng, v_pool.shape)
+    else:  # slots past each row's keys are NaN: no part may read them
+        k_pages, v_pages = _storage(k_pool, cache_dtype), _storage(v_pool, cache_dtype)
+    q = jnp.asarray(rng.normal(size=(rows, heads, dim)) * 2.0, jnp.float32)
+    kwargs = dict(layer=layer, scale=dim**-0.5, sliding_window=window, softcap=softcap, **scales)
+    args = (q, k_pages, v_pages, table, jnp.asarray(lengths, jnp.int32))
+    got = np.asarray(jax.jit(lambda *a: decode_attention_cpu(*a, **kwargs, isa=isa))(*args))
+    want = np.asarray(decode_attention_cpu_reference(*args, **kwargs), np.float64)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 1e-5
+    for r, n in enumerate(lengths):
+        assert got[r].any() == (n > 0)  # an inactive row's output is zeros, an active row's is not
+
+
+@needs_kernel
 def test_bad_shapes_are_refused_clearly():
     q = jnp.zeros((3, 4, 32), jnp.float32)
     pages = jnp.zeros((2, 2, 5, 16, 32), jnp.float32)

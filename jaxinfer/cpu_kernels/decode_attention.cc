@@ -27,6 +27,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 #include <vector>
@@ -379,10 +380,12 @@ inline void ScaleByKey(float* x, const float* scales, int groups, int64_t stride
     for (int64_t j = 0; j < n; ++j) x[g * stride + j] *= scales[j];
 }
 
-// Query heads [h0, h0 + G) of one row against keys/values [start, end) of their KV head.
+// Query heads [h0, h0 + G) of one row against keys/values [start, end) of their KV head. Where `stats` is
+// given, each head's softmax maximum and sum go to stats[2 g] and stats[2 g + 1] (to merge parts by).
 template <typename T, int G>
 void HeadGroup(const Problem& p, const int32_t* table, const T* keys, const T* values, const float* q, float* out,
-               int64_t start, int64_t end, const float* k_scale, const float* v_scale, std::vector<float>& scores) {
+               int64_t start, int64_t end, const float* k_scale, const float* v_scale, std::vector<float>& scores,
+               float* stats) {
   const int64_t n = end - start, stride = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(G * stride);
   Scores<T, G>(p, table, keys, q, start, end, stride, scores.data());
@@ -398,14 +401,20 @@ void HeadGroup(const Problem& p, const int32_t* table, const T* keys, const T* v
       Store(s + j, x);
       best = MaxWhere(FirstLanes(n - j), best, x);
     }
-    const Vec top = Set1(ReduceMax(best));
+    const float most = ReduceMax(best);
+    const Vec top = Set1(most);
     Vec total = Zero();
     for (int64_t j = 0; j < stride; j += kLanes) {
       const Vec e = ZeroUnless(FirstLanes(n - j), Exp(Sub(Load(s + j), top)));
       Store(s + j, e);
       total = Add(total, e);
     }
-    inverse_sum[g] = 1.0f / ReduceAdd(total);
+    const float sum = ReduceAdd(total);
+    inverse_sum[g] = 1.0f / sum;
+    if (stats != nullptr) {
+      stats[2 * g] = most;
+      stats[2 * g + 1] = sum;
+    }
   }
   if (v_scale != nullptr) ScaleByKey(scores.data(), v_scale, G, stride, n);  // weights take V's scales
   // Values: as many kLanes-wide chunks of d per pass over the keys as fit the registers.
@@ -419,24 +428,46 @@ void HeadGroup(const Problem& p, const int32_t* table, const T* keys, const T* v
   Values<T, G, 1>(p, table, values, scores.data(), inverse_sum, start, end, stride, out);
 }
 
+// Where a step has fewer (row, KV head) items than can keep the pool busy (Gemma 3 at one row: one KV
+// head; SmolLM2: three over two threads), each item's keys are cut into `parts` runs, each attended with
+// its own softmax into `out` [parts, R, H, D] and `stats` [parts, R, H, 2] (maximum, sum), merged after.
+struct Split {
+  int64_t parts;
+  float* out;    // null: one part, written straight to the problem's out
+  float* stats;
+};
+
+// Keys per part at least: below this a part's fixed cost (its softmax pass, the merge) outweighs its keys.
+constexpr int64_t kMinPartKeys = 64;
+constexpr int64_t kMaxParts = 16;
+
 template <typename T>
-void RowHead(const Problem& p, int64_t item) {
-  const int64_t r = item / p.kv_heads, kv = item % p.kv_heads, group = p.heads / p.kv_heads, d = p.dim;
-  const float* q = p.q + (r * p.heads + kv * group) * d;
-  float* out = p.out + (r * p.heads + kv * group) * d;
-  const int64_t end = std::min<int64_t>(p.lengths[r], p.table_width * p.page_size);
-  if (end <= 0) {
+void RowHead(const Problem& p, const Split& split, int64_t item) {
+  const int64_t part = item % split.parts, row_head = item / split.parts;
+  const int64_t r = row_head / p.kv_heads, kv = row_head % p.kv_heads, group = p.heads / p.kv_heads, d = p.dim;
+  const int64_t first_head = r * p.heads + kv * group;
+  const float* q = p.q + first_head * d;
+  float* out = (split.out != nullptr ? split.out + part * p.rows * p.heads * d : p.out) + first_head * d;
+  float* stats = split.stats != nullptr ? split.stats + (part * p.rows * p.heads + first_head) * 2 : nullptr;
+  const int64_t length = std::min<int64_t>(p.lengths[r], p.table_width * p.page_size);
+  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  // This part's keys: equal runs of whole vector blocks, the last part taking what remains.
+  const int64_t per_part = (std::max<int64_t>(length - first, 0) + split.parts - 1) / split.parts;
+  const int64_t run = (per_part + kLanes - 1) / kLanes * kLanes;
+  const int64_t start = first + part * run, end = std::min(length, start + run);
+  if (end <= start) {
     std::fill(out, out + group * d, 0.0f);
+    if (stats != nullptr)
+      for (int64_t g = 0; g < group; ++g) stats[2 * g] = 0.0f, stats[2 * g + 1] = 0.0f;  // weighs nothing
     return;
   }
-  const int64_t start = p.window > 0 ? std::max<int64_t>(0, end - p.window) : 0;
   const int64_t pool = ((p.layer * p.kv_heads + kv) * p.pages) * p.page_size * d;  // this (layer, KV head)
   const T* keys = static_cast<const T*>(p.k) + pool;
   const T* values = static_cast<const T*>(p.v) + pool;
   const int32_t* table = p.page_table + r / p.queries_per_row * p.table_width;
   thread_local std::vector<float> scores, scales;
   const float *k_scale = nullptr, *v_scale = nullptr;
-  if (p.k_scale != nullptr) {  // this row's scales, contiguous: [0, n) for K, [n, 2n) for V
+  if (p.k_scale != nullptr) {  // this run's scales, contiguous: [0, n) for K, [n, 2n) for V
     const int64_t n = end - start, scale_pool = pool / d;
     scales.resize(2 * n);
     GatherScales(p, table, p.k_scale + scale_pool, start, end, scales.data());
@@ -446,11 +477,13 @@ void RowHead(const Problem& p, int64_t item) {
   }
   for (int64_t g = 0; g < group;) {
     const int64_t qo = g * d;
+    float* head_stats = stats != nullptr ? stats + 2 * g : nullptr;
     switch (std::min<int64_t>(group - g, kHeadGroup)) {
-#define JAXINFER_HEAD_GROUP(N)                                                                  \
-  case N:                                                                                       \
-    HeadGroup<T, N>(p, table, keys, values, q + qo, out + qo, start, end, k_scale, v_scale, scores); \
-    g += N;                                                                                     \
+#define JAXINFER_HEAD_GROUP(N)                                                                        \
+  case N:                                                                                             \
+    HeadGroup<T, N>(p, table, keys, values, q + qo, out + qo, start, end, k_scale, v_scale, scores, \
+                    head_stats);                                                                      \
+    g += N;                                                                                           \
     break;
       JAXINFER_HEAD_GROUP(8)
       JAXINFER_HEAD_GROUP(7)
@@ -462,6 +495,35 @@ void RowHead(const Problem& p, int64_t item) {
       default:
         JAXINFER_HEAD_GROUP(1)
 #undef JAXINFER_HEAD_GROUP
+    }
+  }
+}
+
+// out[r, h] = the parts' outputs weighted by their share of the whole softmax: sum_i e^(m_i - m) s_i out_i
+// over sum_i e^(m_i - m) s_i, m the largest part maximum (an empty part has s_i = 0).
+inline void MergeParts(const Problem& p, const Split& split) {
+  const int64_t d = p.dim, heads = p.rows * p.heads;
+  std::vector<float> weight(split.parts);
+  for (int64_t h = 0; h < heads; ++h) {
+    float most = -3.0e38f;
+    for (int64_t i = 0; i < split.parts; ++i) {
+      const float* s = split.stats + (i * heads + h) * 2;
+      if (s[1] > 0) most = std::max(most, s[0]);
+    }
+    float total = 0.0f;
+    for (int64_t i = 0; i < split.parts; ++i) {
+      const float* s = split.stats + (i * heads + h) * 2;
+      weight[i] = s[1] > 0 ? std::exp(s[0] - most) * s[1] : 0.0f;
+      total += weight[i];
+    }
+    float* out = p.out + h * d;
+    std::fill(out, out + d, 0.0f);
+    if (total <= 0) continue;  // an inactive row: zeros
+    for (int64_t i = 0; i < split.parts; ++i) {
+      const float w = weight[i] / total;
+      if (w == 0.0f) continue;
+      const float* part = split.out + (i * heads + h) * d;
+      for (int64_t c = 0; c < d; c += kLanes) Store(out + c, Fmadd(Set1(w), Load(part + c), Load(out + c)));
     }
   }
 }
@@ -490,16 +552,32 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<Cac
             queries_per_row, scale, softcap};
   using T = std::conditional_t<CacheType == ffi::DataType::F32, float,
                                std::conditional_t<CacheType == ffi::DataType::S8, int8_t, uint16_t>>;
-  int64_t keys = 0;  // keys read by all rows: the work is ~2 * heads * dim multiply-adds per key
+  int64_t keys = 0, longest = 0;  // keys read by all rows (~2 * heads * dim multiply-adds each), by one
   for (int64_t r = 0; r < p.rows; ++r) {
     const int64_t end = std::clamp<int64_t>(p.lengths[r], 0, p.table_width * p.page_size);
-    keys += p.window > 0 ? std::min(end, p.window) : end;
+    const int64_t n = p.window > 0 ? std::min(end, p.window) : end;
+    keys += n;
+    longest = std::max(longest, n);
   }
   // Split from 128K multiply-adds (one row of SmolLM2 from ~110 keys): a layer's attention at one row
   // reads its keys at one core's pace otherwise, and the pool thread left idle through it and the small
   // product after it has gone to sleep when the next large product wants it (joining ~26 us late).
-  jaxinfer::ParallelFor(pool, p.rows * p.kv_heads, 2 * keys * p.heads * p.dim,
-                        [&p](int64_t item) { RowHead<T>(p, item); }, int64_t{1} << 17);
+  constexpr int64_t kMinWork = int64_t{1} << 17;
+  const int64_t work = 2 * keys * p.heads * p.dim, row_heads = p.rows * p.kv_heads;
+  Split split{1, nullptr, nullptr};
+  const int64_t threads = pool.num_threads(), want_items = 2 * threads;  // two a thread: a late helper costs less
+  if (work >= kMinWork && row_heads < threads)
+    split.parts = std::clamp<int64_t>(std::min((want_items + row_heads - 1) / row_heads, longest / kMinPartKeys),
+                                      1, kMaxParts);
+  std::vector<float> partial;
+  if (split.parts > 1) {
+    partial.resize(split.parts * p.rows * p.heads * (p.dim + 2));
+    split.out = partial.data();
+    split.stats = partial.data() + split.parts * p.rows * p.heads * p.dim;
+  }
+  jaxinfer::ParallelFor(pool, row_heads * split.parts, work,
+                        [&p, &split](int64_t item) { RowHead<T>(p, split, item); }, kMinWork);
+  if (split.parts > 1) MergeParts(p, split);
   return ffi::Error::Success();
 }
 

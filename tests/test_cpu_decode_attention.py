@@ -276,6 +276,44 @@ def test_keys_split_into_parts_merge_exactly(cache_dtype, kv, heads, dim, length
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("cache_dtype", ["bf16bits", "int8"])
+# A verification step's rows (the last token, then the drafts) share their sequence's table row, each
+# attending up to its own position: Gemma 3's shape and SmolLM2's; rows past a sequence's drafts are
+# inactive (length 0); a window; two sequences.
+@pytest.mark.parametrize(
+    "kv,heads,dim,bases,window",
+    [(1, 4, 256, [700], None), (3, 9, 64, [301, 40], None), (1, 4, 256, [520], 512), (2, 6, 32, [90], 7)],
+)
+def test_verification_rows_attend_their_own_prefix(cache_dtype, kv, heads, dim, bases, window, isa):
+    rng = np.random.default_rng(sum(bases) + dim)
+    t, page_size, layer = 5, 16, 0
+    live = [t, 3][: len(bases)]  # the second sequence verifies 2 drafts of 4: its last 2 rows are padding
+    ends = [b + t for b in bases]
+    dense_k, dense_v = (rng.normal(size=(len(bases), kv, max(ends), dim)) for _ in range(2))
+    (k_pool, v_pool), table = _scatter_into_pages(rng, [dense_k, dense_v], ends, page_size, 1, layer)
+    scales = {}
+    if cache_dtype == "int8":
+        k_pages, scales["k_scale"] = _int8_pages(rng, k_pool.shape)
+        v_pages, scales["v_scale"] = _int8_pages(rng, v_pool.shape)
+    else:
+        k_pages, v_pages = _storage(k_pool, cache_dtype), _storage(v_pool, cache_dtype)
+    lengths = [b + i + 1 if i < n else 0 for b, n in zip(bases, live) for i in range(t)]
+    q = jnp.asarray(rng.normal(size=(len(lengths), heads, dim)) * 2.0, jnp.float32)
+    kwargs = dict(layer=layer, scale=dim**-0.5, sliding_window=window, softcap=None, **scales)
+    args = (q, k_pages, v_pages, table, jnp.asarray(lengths, jnp.int32))
+    attend = lambda *a: decode_attention_cpu(*a, **kwargs, queries_per_row=t, isa=isa)  # noqa: E731
+    got = np.asarray(jax.jit(attend)(*args))
+    want = np.asarray(decode_attention_cpu_reference(*args, **kwargs, queries_per_row=t), np.float64)
+    assert np.isfinite(got).all()
+    assert _rel(got, want) < 1e-5
+    for r, n in enumerate(lengths):
+        assert got[r].any() == (n > 0)
+        if n:  # each row's own answer, not its block neighbour's
+            assert np.abs(got[r] - want[r]).max() < 1e-4 * max(1.0, np.abs(want[r]).max())
+
+
+@needs_kernel
 def test_bad_shapes_are_refused_clearly():
     q = jnp.zeros((3, 4, 32), jnp.float32)
     pages = jnp.zeros((2, 2, 5, 16, 32), jnp.float32)

@@ -3,13 +3,15 @@
     .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m]
         [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|int4|none]
         [--kv-cache-dtype float32|bfloat16|int8] [--page-size N] [--repeats 3]
-        [--llama-bench /path/to/llama-bench]
+        [--llama-bench /path/to/llama-bench] [--rounds N]
 
 Prints tokens/s for prefill (one prompt of --prefill-len tokens) and decode (each batch size, aggregate,
 every stream after a --prompt-len prompt, the median of --repeats runs), the ratio to transformers
 (float32, CPU, KV cache on), and the fraction of the memory-bandwidth roofline decode reaches: every step
 must read all weights once plus the KV cache it attends over, and the bandwidth is measured in this run.
 Each stream reads its KV cache through a page table of --page-size pages (default: the backend's).
+With --rounds N, jaxinfer and llama.cpp are measured N times, alternating, and each ratio to llama.cpp is
+the median of the N rounds' own ratios (a shared VM's speed drifts by 10-30% between runs).
 """
 
 from __future__ import annotations
@@ -204,6 +206,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="context of each decode stream")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3, help="decode runs per batch size (median)")
+    parser.add_argument(
+        "--rounds", type=int, default=1,
+        help="measure jaxinfer and llama.cpp this many times, alternating; report medians and the median "
+        "of the per-round ratios (a shared VM's speed drifts between runs)",
+    )  # fmt: skip
     parser.add_argument("--quantize", default="int8", choices=QUANTIZATION_MODES)
     parser.add_argument("--kv-cache-dtype", default=None, help="default: the CLI's (bfloat16 on CPU)")
     parser.add_argument("--page-size", type=int, default=None, help="default: the CLI's for this backend")
@@ -225,68 +232,62 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(100, 5000, size=args.prompt_len)]
     prefill_prompt = [int(t) for t in rng.integers(100, 5000, size=args.prefill_len)]
-    rows = []
+    rows, spreads = [], []
     for name in args.models:
-        ours = {  # batch size -> its result; prefill measured with the first
-            batch: in_subprocess(
-                "bench_ours",
-                name,
-                prompt,
-                prefill_prompt,
-                batch,
-                args.steps,
-                args.quantize,
-                args.kv_cache_dtype,
-                args.repeats,
-                i == 0,
-                args.page_size,
-            )  # fmt: skip
-            for i, batch in enumerate(args.batches)
-        }
-        first = ours[args.batches[0]]
+        rounds = []  # (ours: batch -> result, llama.cpp: metric -> tok/s), alternating
+        for _ in range(args.rounds):
+            ours = {  # batch size -> its result; prefill measured with the first
+                batch: in_subprocess(
+                    "bench_ours", name, prompt, prefill_prompt, batch, args.steps, args.quantize,
+                    args.kv_cache_dtype, args.repeats, i == 0, args.page_size,
+                )
+                for i, batch in enumerate(args.batches)
+            }  # fmt: skip
+            path = ours[args.batches[0]]["path"]
+            lcpp = {}
+            if args.llama_bench:
+                lcpp = bench_llama_cpp(
+                    args.llama_bench, path, args.prefill_len, args.prompt_len, args.steps, args.batches
+                )
+            rounds.append((ours, lcpp))
         ref = {}
         if not args.no_transformers:
-            ref = in_subprocess(
-                "bench_transformers", first["path"], prompt, prefill_prompt, args.batches, args.steps
-            )
-        lcpp = {}
-        if args.llama_bench:
-            lcpp = bench_llama_cpp(
-                args.llama_bench, first["path"], args.prefill_len, args.prompt_len, args.steps, args.batches
-            )
-        rows.append(
-            (
-                name,
-                f"prefill {args.prefill_len}",
-                first["prefill"],
-                ref.get("prefill"),
-                lcpp.get("prefill"),
-                None,
-            )
-        )
-        for b, one in ours.items():
-            roofline = b * bandwidth * 1e9 / one["step_bytes"]
-            key = f"decode{b}"
-            rows.append(
-                (
-                    name,
-                    f"decode batch {b}",
-                    one["decode"],
-                    ref.get(key),
-                    lcpp.get(key),
-                    one["decode"] / roofline,
-                )
-            )
+            ref = in_subprocess("bench_transformers", path, prompt, prefill_prompt, args.batches, args.steps)
+        metrics = [("prefill", f"prefill {args.prefill_len}", None)]
+        metrics += [(f"decode{b}", f"decode batch {b}", b) for b in args.batches]
+        for key, label, batch in metrics:
+            if batch is None:  # prefill, measured with the first batch size
+                mine = [ours[args.batches[0]]["prefill"] for ours, _ in rounds]
+            else:
+                mine = [ours[batch]["decode"] for ours, _ in rounds]
+            theirs = [lcpp[key] for _, lcpp in rounds if key in lcpp]
+            ratio = None
+            if len(theirs) == len(mine):  # the median of the rounds' own ratios
+                ratio = statistics.median(m / t for m, t in zip(mine, theirs))
+                if args.rounds > 1:
+                    each = " ".join(f"{m / t:.2f}" for m, t in zip(mine, theirs))
+                    spreads.append(f"{name} {label}: llama.cpp ratio per round {each}")
+            frac = None
+            if batch is not None:
+                step_bytes = statistics.median(ours[batch]["step_bytes"] for ours, _ in rounds)
+                frac = statistics.median(mine) * step_bytes / (batch * bandwidth * 1e9)
+            ours_tps = statistics.median(mine)
+            rows.append((name, label, ours_tps, ref.get(key), statistics.median(theirs) if theirs else None,
+                         ratio, frac))  # fmt: skip
 
     header = f"{'model':<24}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}{'ratio':>8}"
     header += f"{'llama.cpp':>11}{'ratio':>8}{'roofline':>10}"
     print("\n" + header)
-    for name, metric, ours_tps, ref_tps, lcpp_tps, frac in rows:
+    for name, metric, ours_tps, ref_tps, lcpp_tps, lcpp_ratio, frac in rows:
         line = f"{name:<24}{metric:<18}{ours_tps:16.1f}"
-        for other, width in ((ref_tps, 14), (lcpp_tps, 11)):
-            line += f"{other:{width}.1f}{ours_tps / other:7.2f}x" if other else f"{'-':>{width}}{'-':>8}"
+        ref_ratio = ours_tps / ref_tps if ref_tps else None
+        for other, ratio, width in ((ref_tps, ref_ratio, 14), (lcpp_tps, lcpp_ratio, 11)):
+            line += f"{other:{width}.1f}{ratio:7.2f}x" if other else f"{'-':>{width}}{'-':>8}"
         line += f"{frac:9.0%}" if frac is not None else f"{'-':>10}"
         print(line)
+    if spreads:
+        print(f"\n{args.rounds} rounds, jaxinfer then llama.cpp in each; the ratio column is their median:")
+        print("\n".join(spreads))
 
 
 if __name__ == "__main__":

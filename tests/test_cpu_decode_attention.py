@@ -314,6 +314,30 @@ def test_verification_rows_attend_their_own_prefix(cache_dtype, kv, heads, dim, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("kv,heads,dim", [(1, 4, 256), (3, 9, 64)])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(kv, heads, dim, isa):
+    # Bit for bit: a one-row decode step and the same query among a verification step's rows or a wider
+    # batch (where Gemma 3's keys are cut into parts, the cut follows the row's own length alone).
+    rng = np.random.default_rng(dim)
+    page_size, width = 16, 40
+    shape = (1, kv, width + 1, page_size, dim)
+    k, v = (_storage(rng.normal(size=shape), "bf16bits") for _ in range(2))
+    table = jnp.asarray(rng.permutation(np.arange(1, width + 1))[None], jnp.int32)
+    q = jnp.asarray(rng.normal(size=(6, heads, dim)), jnp.float32)
+    lengths = jnp.asarray([601, 602, 603, 90, 604, 605], jnp.int32)
+    kwargs = dict(layer=0, scale=dim**-0.5, sliding_window=None, softcap=None, isa=isa)
+    alone = [
+        np.asarray(decode_attention_cpu(q[i : i + 1], k, v, table, lengths[i : i + 1], **kwargs))
+        for i in range(6)
+    ]
+    together = np.asarray(decode_attention_cpu(q, k, v, table, lengths, **kwargs, queries_per_row=6))
+    batch = np.asarray(decode_attention_cpu(q, k, v, jnp.repeat(table, 6, axis=0), lengths, **kwargs))
+    for i in range(6):
+        assert np.array_equal(alone[i][0], together[i]) and np.array_equal(alone[i][0], batch[i]), i
+
+
+@needs_kernel
 def test_bad_shapes_are_refused_clearly():
     q = jnp.zeros((3, 4, 32), jnp.float32)
     pages = jnp.zeros((2, 2, 5, 16, 32), jnp.float32)

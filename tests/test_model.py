@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,3 +85,19 @@ def test_real_gguf_matches_transformers(real_runtime, real_gguf, name):
         assert result.token_ids == expected
         got = _full_logits(runtime.model, np.array([prompt]), attend_len=1024, last_only=True)[0]
         assert np.abs(got - first_logits).max() < 1e-2
+
+
+def test_rms_norm_of_a_row_does_not_depend_on_the_rows_beside_it():
+    # A token's hidden state must not change with how many tokens its step runs (prefill chunks and
+    # verification steps against one-row decode steps): bit for bit, odd widths included.
+    from jaxinfer.models.transformer import rms_norm
+
+    for dim in (576, 640, 37):
+        x = jax.random.normal(jax.random.key(dim), (9, dim)) * 3.0
+        w = jax.random.uniform(jax.random.key(1), (dim,)) + 0.5
+        norm = jax.jit(lambda x, w: rms_norm(x, w, 1e-6))
+        together = np.asarray(norm(x, w))
+        for i in range(9):
+            assert np.array_equal(np.asarray(norm(x[i : i + 1], w))[0], together[i]), (dim, i)
+        want = np.asarray(x) / np.sqrt(np.mean(np.asarray(x, np.float64) ** 2, -1, keepdims=True) + 1e-6)
+        assert np.abs(together - want * np.asarray(w)).max() < 1e-5 * np.abs(want).max()

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -428,18 +429,29 @@ void HeadGroup(const Problem& p, const int32_t* table, const T* keys, const T* v
   Values<T, G, 1>(p, table, values, scores.data(), inverse_sum, start, end, stride, out);
 }
 
-// Where a step has fewer (row, KV head) items than can keep the pool busy (Gemma 3 at one row: one KV
-// head; SmolLM2: three over two threads), each item's keys are cut into `parts` runs, each attended with
-// its own softmax into `out` [parts, R, H, D] and `stats` [parts, R, H, 2] (maximum, sum), merged after.
+// Where a model has fewer KV heads than the pool has threads (Gemma 3: one), a row's attention is fewer
+// items than can keep the pool busy at one row, so each (row, KV head)'s keys are cut into parts, each
+// attended with its own softmax into `out` [parts, R, H, D] and `stats` [parts, R, H, 2] (maximum,
+// sum), merged after. A row's parts follow from its own key count alone, never from the rows beside it:
+// a token's output must not depend on how many tokens its step ran (a verification step's rows must
+// equal one-row decode steps bit for bit, or greedy speculation would drift from plain decoding).
 struct Split {
-  int64_t parts;
-  float* out;    // null: one part, written straight to the problem's out
+  int64_t by_threads;  // parts a long row takes: two items a thread over the KV heads; 1: never split
+  int64_t parts;       // the most any row takes (items per (row, KV head))
+  float* out;          // null: one part, written straight to the problem's out
   float* stats;
 };
 
-// Keys per part at least: below this a part's fixed cost (its softmax pass, the merge) outweighs its keys.
-constexpr int64_t kMinPartKeys = 64;
+// Keys per part at least. Every row of that length splits, at any row count, so a part must be worth
+// its fixed cost (its softmax pass, its share of the merge) in a batch too: 64 made 16 rows of Gemma 3 at
+// 300 keys ~10% slower; from 256 only long rows split (Gemma 3's global layers past its 512 window).
+constexpr int64_t kMinPartKeys = 256;
 constexpr int64_t kMaxParts = 16;
+
+// The parts of a row attending to `keys` keys.
+inline int64_t RowParts(const Split& split, int64_t keys) {
+  return std::clamp<int64_t>(std::min(split.by_threads, keys / kMinPartKeys), 1, kMaxParts);
+}
 
 template <typename T>
 void RowHead(const Problem& p, const Split& split, int64_t item) {
@@ -452,9 +464,9 @@ void RowHead(const Problem& p, const Split& split, int64_t item) {
   const int64_t length = std::min<int64_t>(p.lengths[r], p.table_width * p.page_size);
   const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
   // This part's keys: equal runs of whole vector blocks, the last part taking what remains.
-  const int64_t per_part = (std::max<int64_t>(length - first, 0) + split.parts - 1) / split.parts;
-  const int64_t run = (per_part + kLanes - 1) / kLanes * kLanes;
-  const int64_t start = first + part * run, end = std::min(length, start + run);
+  const int64_t visible = std::max<int64_t>(length - first, 0), parts = RowParts(split, visible);
+  const int64_t run = ((visible + parts - 1) / parts + kLanes - 1) / kLanes * kLanes;
+  const int64_t start = first + part * run, end = part < parts ? std::min(length, start + run) : start;
   if (end <= start) {
     std::fill(out, out + group * d, 0.0f);
     if (stats != nullptr)
@@ -564,16 +576,14 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<Cac
   // product after it has gone to sleep when the next large product wants it (joining ~26 us late).
   constexpr int64_t kMinWork = int64_t{1} << 17;
   const int64_t work = 2 * keys * p.heads * p.dim, row_heads = p.rows * p.kv_heads;
-  Split split{1, nullptr, nullptr};
-  const int64_t threads = pool.num_threads(), want_items = 2 * threads;  // two a thread: a late helper costs less
-  if (work >= kMinWork && row_heads < threads)
-    split.parts = std::clamp<int64_t>(std::min((want_items + row_heads - 1) / row_heads, longest / kMinPartKeys),
-                                      1, kMaxParts);
-  std::vector<float> partial;
+  const int64_t threads = pool.num_threads();
+  Split split{p.kv_heads < threads ? (2 * threads + p.kv_heads - 1) / p.kv_heads : 1, 1, nullptr, nullptr};
+  split.parts = RowParts(split, longest);
+  std::unique_ptr<float[]> partial;  // every entry is written before the merge reads it
   if (split.parts > 1) {
-    partial.resize(split.parts * p.rows * p.heads * (p.dim + 2));
-    split.out = partial.data();
-    split.stats = partial.data() + split.parts * p.rows * p.heads * p.dim;
+    partial.reset(new float[split.parts * p.rows * p.heads * (p.dim + 2)]);
+    split.out = partial.get();
+    split.stats = partial.get() + split.parts * p.rows * p.heads * p.dim;
   }
   jaxinfer::ParallelFor(pool, row_heads * split.parts, work,
                         [&p, &split](int64_t item) { RowHead<T>(p, split, item); }, kMinWork);

@@ -38,10 +38,25 @@ from jaxinfer.models.params import Params
 XLA_KERNELS = KernelConfig()  # the plain-JAX reference path
 
 
+def sum_last_axis(x: jax.Array) -> jax.Array:
+    """x [..., n] -> [..., 1]: each row summed pairwise in one fixed order (zero-padded to a power of two,
+    halved by elementwise adds), whatever the number of rows. XLA:CPU's own reduction sums a row in an
+    order that depends on the rows beside it (one row vs eight), so a token's hidden state would depend
+    on how many tokens its step ran: a prefill chunk or a verification step would then leave slightly
+    different keys and values than one-row decode steps, enough, through a bfloat16 cache and int8
+    activations, to change a greedy token (SmolLM2 int4) and break speculation's greedy equality."""
+    n = x.shape[-1]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x: [..., dim]; weight: [dim], the effective multiplier (Gemma's 1 + w already folded in)."""
     x32 = x.astype(jnp.float32)
-    rms = jnp.sqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    rms = jnp.sqrt(sum_last_axis(x32 * x32) / x.shape[-1] + eps)
     # Dividing by a full-shape array keeps the normalised rows in a buffer of their own: XLA:CPU copies a
     # multiply by rsqrt (what it rewrites x / sqrt(.) into) into the next matmul's loop and recomputes it
     # for every output column (at one row that makes SmolLM2's gate_up a quarter slower, its logits 40%).

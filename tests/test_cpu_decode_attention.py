@@ -240,15 +240,16 @@ def test_kernel_on_scattered_pages_matches_dense_attention(cache_dtype, page_siz
 @needs_kernel
 @pytest.mark.parametrize("isa", CPU_ISAS)
 @pytest.mark.parametrize("cache_dtype", ["float32", "bf16bits", "int8"])
-# Fewer (row, KV head) items than two per pool thread (on 2+ threads): the kernel cuts each item's keys
-# into parts with their own softmaxes and merges them. Gemma 3's shape (one KV head, four query heads,
-# head dim 256) and SmolLM2's (three KV heads, groups of 3); a row far longer than the other so most of
-# its parts are empty, an inactive row, a window, a softcap.
+# Fewer KV heads than pool threads (on 2+ threads) and rows of 512 keys or more: the kernel cuts each
+# row's keys into parts with their own softmaxes and merges them. Gemma 3's shape (one KV head, four
+# query heads, head dim 256) and SmolLM2's (three KV heads, groups of 3: split where the pool has more
+# threads than that); a split row beside a row too short to split, so the step's other parts of it are
+# empty, an inactive row, a window, a softcap.
 @pytest.mark.parametrize(
     "kv,heads,dim,lengths,window,softcap",
     [
         (1, 4, 256, [611], None, None),
-        (1, 4, 256, [517, 5], 300, 30.0),
+        (1, 4, 256, [1117, 5], 600, 30.0),
         (3, 9, 64, [1000], None, None),
         (1, 3, 48, [777, 0, 129], None, 20.0),
     ],

@@ -448,6 +448,16 @@ struct Split {
 constexpr int64_t kMinPartKeys = 256;
 constexpr int64_t kMaxParts = 16;
 
+// The keys row r attends to, [first, length): its length clamped to its table (0: an inactive row),
+// from `window` keys back where the layer has a window.
+struct KeyRange {
+  int64_t first, length;
+};
+inline KeyRange VisibleKeys(const Problem& p, int64_t r) {
+  const int64_t length = std::clamp<int64_t>(p.lengths[r], 0, p.table_width * p.page_size);
+  return {p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0, length};
+}
+
 // The parts of a row attending to `keys` keys.
 inline int64_t RowParts(const Split& split, int64_t keys) {
   return std::clamp<int64_t>(std::min(split.by_threads, keys / kMinPartKeys), 1, kMaxParts);
@@ -461,10 +471,9 @@ void RowHead(const Problem& p, const Split& split, int64_t item) {
   const float* q = p.q + first_head * d;
   float* out = (split.out != nullptr ? split.out + part * p.rows * p.heads * d : p.out) + first_head * d;
   float* stats = split.stats != nullptr ? split.stats + (part * p.rows * p.heads + first_head) * 2 : nullptr;
-  const int64_t length = std::min<int64_t>(p.lengths[r], p.table_width * p.page_size);
-  const int64_t first = p.window > 0 ? std::max<int64_t>(0, length - p.window) : 0;
+  const auto [first, length] = VisibleKeys(p, r);
   // This part's keys: equal runs of whole vector blocks, the last part taking what remains.
-  const int64_t visible = std::max<int64_t>(length - first, 0), parts = RowParts(split, visible);
+  const int64_t visible = length - first, parts = RowParts(split, visible);
   const int64_t run = ((visible + parts - 1) / parts + kLanes - 1) / kLanes * kLanes;
   const int64_t start = first + part * run, end = part < parts ? std::min(length, start + run) : start;
   if (end <= start) {
@@ -566,8 +575,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<Cac
                                std::conditional_t<CacheType == ffi::DataType::S8, int8_t, uint16_t>>;
   int64_t keys = 0, longest = 0;  // keys read by all rows (~2 * heads * dim multiply-adds each), by one
   for (int64_t r = 0; r < p.rows; ++r) {
-    const int64_t end = std::clamp<int64_t>(p.lengths[r], 0, p.table_width * p.page_size);
-    const int64_t n = p.window > 0 ? std::min(end, p.window) : end;
+    const auto [first, length] = VisibleKeys(p, r);
+    const int64_t n = length - first;
     keys += n;
     longest = std::max(longest, n);
   }

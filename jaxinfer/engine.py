@@ -66,12 +66,16 @@ class DecodeBatch:
     drafts:     [num_slots, k] int32 draft tokens to verify after each slot's input token (speculative
                 decoding), -1 past a slot's drafts; None: a plain step, one token per slot. A slot with
                 drafts outputs between 1 and k + 1 tokens (StepOutput.num_tokens).
+    drafting:   [num_slots] bool: the slots whose next drafts the engine's draft heads propose
+                (StepOutput.drafts; -1 elsewhere); None: every listed slot. With no slot drafting and
+                no drafts, the step is a plain one and the heads do not run.
     """
 
     positions: np.ndarray
     page_table: np.ndarray
     token_mask: np.ndarray | None = None
     drafts: np.ndarray | None = None
+    drafting: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,11 +124,12 @@ def _step_logprobs(logits, tokens, settings, t: int):
     return chosen.reshape(n, t), vals.reshape(n, t, -1), ids.reshape(n, t, -1)
 
 
-def _propose(heads, params, config, kernels, hidden, token, min_probability):
-    """The heads' drafts after `token` [n] from hidden [n, hidden_size]; None without heads."""
+def _propose(heads, params, config, kernels, hidden, token, min_probability, drafting=None):
+    """The heads' drafts after `token` [n] from hidden [n, hidden_size] for the `drafting` rows [n]
+    (default: all); None without heads."""
     if heads is None:
         return None
-    return propose(heads, params, config, hidden, token, heads.depth, kernels, min_probability)
+    return propose(heads, params, config, hidden, token, heads.depth, kernels, min_probability, drafting)
 
 
 def _prefill_forward(
@@ -250,6 +251,7 @@ def _step(
     drafts: jax.Array,  # [R, k] int32: drafts after each row's input token, -1 past its drafts
     page_table: jax.Array,  # [R, N] int32, covering every draft's position
     mask: jax.Array,  # [R, ceil(vocab / 32)] int32: tokens each row's first output may be
+    drafting: jax.Array | None = None,  # [R] bool: rows whose next drafts the heads propose
     *,
     config: ModelConfig,
     kernels: KernelConfig,
@@ -267,8 +269,8 @@ def _step(
         params, state, positions, drafts, page_table, config=config, kernels=kernels
     )
     return _step_sample(
-        params, state, heads, hidden, positions, drafts, mask, config=config, kernels=kernels,
-        max_len=max_len, min_probability=min_probability,
+        params, state, heads, hidden, positions, drafts, mask, drafting, config=config,
+        kernels=kernels, max_len=max_len, min_probability=min_probability,
     )  # fmt: skip
 
 
@@ -280,6 +282,7 @@ def _step_sample(
     positions: jax.Array,  # [R] int32
     drafts: jax.Array,  # [R, k] int32
     mask: jax.Array,  # [R, ceil(vocab / 32)] int32: tokens each row's first output may be
+    drafting: jax.Array | None = None,  # [R] bool: rows whose next drafts the heads propose
     *,
     config: ModelConfig,
     kernels: KernelConfig,
@@ -322,7 +325,11 @@ def _step_sample(
         counts=state.counts.at[rows[:, None], tokens].add(emitted),  # rows < n: in place, no slice
     )
     logprobs = _step_logprobs(logits.reshape(n * t, -1), tokens, sampling, t)
-    next_drafts = _propose(heads, params, config, kernels, hidden[rows, last], last_token, min_probability)
+    if drafting is not None:  # rows that go on: a finished request drafts nothing
+        drafting = drafting & active & ~done
+    next_drafts = _propose(
+        heads, params, config, kernels, hidden[rows, last], last_token, min_probability, drafting
+    )
     packed = _pack(tokens, num_tokens, done, reason, logprobs, next_drafts)
     return state, _all_slots(packed, num_slots)
 
@@ -559,16 +566,20 @@ class JaxEngine(api.Engine):
         drafts: np.ndarray | None,
         page_table: np.ndarray,
         mask: jax.Array | np.ndarray,
+        drafting: np.ndarray | None = None,
     ) -> jax.Array:
         """A decode (drafts None) or verification step (drafts [R, width]) of the (N, R) bucket: packed
-        rows."""
+        rows. With heads, `drafting` [R] bool: the rows whose next drafts they propose."""
         rows, pages = page_table.shape
         if drafts is None:
             return self._run(("decode", pages, rows), None, positions, np.zeros((rows, 0), np.int32),
                              page_table, mask)  # fmt: skip
-        return self._run(
-            ("verify", pages, rows, drafts.shape[1]), self.heads, positions, drafts, page_table, mask
-        )
+        key = ("verify", pages, rows, drafts.shape[1])
+        if self.heads is None:
+            return self._run(key, None, positions, drafts, page_table, mask)
+        if drafting is None:
+            drafting = positions >= 0
+        return self._run(key, self.heads, positions, drafts, page_table, mask, drafting)
 
     def _mask_rows(self, masks: np.ndarray | None, rows: int) -> jax.Array | np.ndarray:
         """Token masks [rows, words] in the model's vocabulary width: tokens a shorter tokenizer
@@ -701,7 +712,9 @@ class JaxEngine(api.Engine):
             given = np.asarray(batch.drafts[:rows], np.int32)
             counts = np.sum(np.cumprod(given >= 0, axis=1), axis=1)  # each row's drafts: up to its first -1
             longest = int(np.max(counts, initial=0))
-            if longest or self.heads is not None:  # no drafts and no heads to propose: a plain step
+            wanted = batch.drafting is None or bool(np.any(batch.drafting[:rows]))
+            proposing = self.heads is not None and wanted
+            if longest or proposing:  # no drafts and nothing for the heads to propose: a plain step
                 drafts = np.full((rows, self._bucket(self._verify_widths, longest)), -1, np.int32)
                 drafts[:, :longest] = given[:, :longest]
                 reach = reach + counts
@@ -713,7 +726,10 @@ class JaxEngine(api.Engine):
         page_table = np.zeros((rows, pages), np.int32)
         width = min(pages, batch.page_table.shape[1])
         page_table[:, :width] = batch.page_table[:rows, :width]
-        packed = self._decode_step(positions, drafts, page_table, self._mask_rows(batch.token_mask, rows))
+        drafting = None if batch.drafting is None else np.asarray(batch.drafting[:rows], bool)
+        packed = self._decode_step(
+            positions, drafts, page_table, self._mask_rows(batch.token_mask, rows), drafting
+        )
         if drafts is not None:
             return _Pending([packed], drafts.shape[1] + 1, self.draft_heads_depth)
         return _Pending([packed], 1, 0)

@@ -685,7 +685,7 @@ class Scheduler:
         constrained: list[tuple[Matcher, int]] = []
         speculating = self._speculation_on()
         drafts: dict[int, list[int]] = {}
-        heads_drafting = False  # some row drafts with heads: the step must propose its next drafts
+        heads_drafting = np.zeros(self.num_slots, bool)  # rows whose next drafts the heads propose
         for slot, seq in enumerate(self._slot_owner):
             if seq is None or not self._wants_decode(seq) or not self._grow(seq):
                 continue
@@ -695,7 +695,7 @@ class Scheduler:
             if seq.matcher is not None:
                 constrained.append((seq.matcher, slot))
             drafting = speculating and self._drafts_allowed(seq)
-            heads_drafting |= drafting and self._method(seq) is SpeculativeMethod.HEADS
+            heads_drafting[slot] = drafting and self._method(seq) is SpeculativeMethod.HEADS
             proposed = self._drafts(seq) if drafting else []
             if seq.speculation_paused:
                 seq.speculation_paused -= 1
@@ -712,11 +712,11 @@ class Scheduler:
                 masks = allow_all(self.num_slots, self._grammar.num_words)
                 self._grammar.fill_masks(constrained, masks)
             draft_array = None
-            if drafts or heads_drafting:
+            if drafts or heads_drafting.any():
                 draft_array = np.full((self.num_slots, self.speculation.num_draft_tokens), -1, np.int32)
                 for slot, proposed in drafts.items():
                     draft_array[slot, : len(proposed)] = proposed
-            batch = DecodeBatch(positions, self._page_table.copy(), masks, draft_array)
+            batch = DecodeBatch(positions, self._page_table.copy(), masks, draft_array, heads_drafting)
         self._check_invariants()
         return SchedulerOutput(
             step=self._step,

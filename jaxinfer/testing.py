@@ -181,7 +181,7 @@ class MockEngine(Engine):
             logprobs=np.zeros((n, width), np.float32),
             top_ids=np.zeros((n, width, k), np.int32),
             top_logprobs=np.zeros((n, width, k), np.float32),
-            drafts=np.zeros((n, self._draft_heads_depth), np.int32) if heads else None,
+            drafts=np.full((n, self._draft_heads_depth), -1, np.int32) if heads else None,
         )
 
     def _propose(self, out: StepOutput, slot: int) -> None:
@@ -309,7 +309,8 @@ class MockEngine(Engine):
                 token = self._sample_into(out, slot, mask)
                 if token != draft or not s.active:
                     break
-            self._propose(out, slot)
+            if batch.drafting is None or batch.drafting[slot]:
+                self._propose(out, slot)
         return self._dispatch(out, is_decode=True)
 
     def reference_tokens(self, prompt_token_ids: Sequence[int], sampling: SamplingParams) -> list[int]:

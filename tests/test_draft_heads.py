@@ -154,6 +154,20 @@ def test_propose_drafts_only_while_its_heads_are_sure(params):
     depths = kept.sum(axis=1)
     assert {0, 3} <= set(depths.tolist()) and len(set(depths.tolist())) >= 3  # rows stop at their own depth
 
+    # Rows that do not draft get -1 and leave the others' drafts as they were.
+    drafting = np.random.default_rng(12).random(rows) < 0.5
+    masked = propose(heads, params, TINY, hidden, token, 3, min_probability=threshold,
+                     drafting=jnp.asarray(drafting))  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(masked), np.where(drafting[:, None], sure, -1))
+    # One drafting row of each depth: the heads after the one it doubts are skipped, its drafts stand.
+    for depth in sorted(set(depths.tolist())):
+        row = int(np.flatnonzero(depths == depth)[0])
+        alone = propose(heads, params, TINY, hidden, token, 3, min_probability=threshold,
+                        drafting=jnp.arange(rows) == row)  # fmt: skip
+        want = np.full((rows, 3), -1)
+        want[row] = sure[row]
+        np.testing.assert_array_equal(np.asarray(alone), want)
+
 
 def test_save_and_load_round_trip(tmp_path, params):
     vocab = jnp.arange(10, 30, dtype=jnp.int32)

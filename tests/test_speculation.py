@@ -195,6 +195,39 @@ def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
     assert engine.compile_count == compiled  # every width bucket was compiled by warmup()
 
 
+def test_heads_run_only_for_the_requests_that_draft_with_them():
+    """Prompt lookup and heads requests in one batch: a step's heads propose for the heads request's
+    row alone, a batch without one never runs them (no proposing steps of width 0), and greedy output
+    is the plain output either way."""
+    engine = _engine(LLAMA, 3, heads=True, slots=2)
+    rng = np.random.default_rng(5)
+    motif = list(rng.integers(0, LLAMA.vocab_size, 5))
+    prompts = [motif * 4, list(rng.integers(0, LLAMA.vocab_size, 12))]
+    tok = IdTokenizer(LLAMA.vocab_size)
+    plain = generate(engine, tok, prompts, [SamplingParams(temperature=0, max_tokens=30)] * 2)
+    steps = []
+    run = engine._run
+
+    def logged(key, *args):
+        if key[0] == "verify":
+            steps.append((key[3], np.asarray(args[-1]).copy()))
+        return run(key, *args)
+
+    engine._run = logged
+    spec = SpeculationConfig(method="heads", num_draft_tokens=3, min_accepted=0.0)
+    methods = ["ngram", "heads"]  # slot 0 drafts by prompt lookup, slot 1 with the heads
+    sampling = [SamplingParams(temperature=0, max_tokens=30, speculative=m) for m in methods]
+    mixed = generate(engine, tok, prompts, sampling, speculation=spec)
+    assert [c.token_ids for c in mixed] == [c.token_ids for c in plain]
+    assert steps and not any(drafting[0] for _, drafting in steps)
+    assert any(drafting[1] for _, drafting in steps)
+    steps.clear()
+    sampling = [SamplingParams(temperature=0, max_tokens=30, speculative="ngram")] * 2
+    lookup = generate(engine, tok, prompts, sampling, speculation=spec)
+    assert [c.token_ids for c in lookup] == [c.token_ids for c in plain]
+    assert steps and all(width > 0 and not drafting.any() for width, drafting in steps)
+
+
 def _mock_prompt(engine: MockEngine, sampling: SamplingParams, start: int, length: int) -> list[int]:
     """`length` tokens the mock model would produce from `start`, then its first three again: the last
     two tokens occurred before, followed by exactly what the model says next (prompt lookup hits)."""

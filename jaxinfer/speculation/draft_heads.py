@@ -21,6 +21,7 @@ itself, teacher-forced: `unroll_logits` runs the same blocks over the true next 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -112,22 +113,32 @@ def propose(
     num_drafts: int,
     kernels: KernelConfig = XLA_KERNELS,
     min_probability: float = 0.0,
+    drafting: jax.Array | None = None,  # [rows] bool: the rows that draft (default: all)
 ) -> jax.Array:
     """Greedy drafts [rows, num_drafts] int32 for the positions after `token`, -1 from the first draft
     whose probability under its head falls below `min_probability`: a row drafts only what its heads
     are sure of, so an unsure step verifies few positions or none (a verification costs more per
-    position it runs; the engine picks the narrowest width that holds the batch's drafts)."""
-    z, drafts = hidden.astype(jnp.float32), []
-    sure = jnp.ones(token.shape, bool)
-    for i in range(num_drafts):
+    position it runs; the engine picks the narrowest width that holds the batch's drafts).
+
+    A head runs only while some drafting row is still sure: a step where no row drafts with the heads
+    (prompt lookup, or speculation paused) or whose heads doubt early skips the rest of them."""
+    sure = jnp.ones(token.shape, bool) if drafting is None else drafting
+    drafts = jnp.full((*token.shape, num_drafts), -1, jnp.int32)
+
+    def draft(i, carry):
+        z, token, sure, drafts = carry
         z, logits = head_step(heads, i, z, token_features(params, config, token), kernels)
         best = jnp.argmax(logits, axis=-1)
         if min_probability > 0:
             top = jnp.take_along_axis(logits, best[:, None], axis=-1)[:, 0]
             sure &= top - jax.nn.logsumexp(logits, axis=-1) >= math.log(min_probability)
-        token = heads.vocab[best]
-        drafts.append(jnp.where(sure, token, -1))
-    return jnp.stack(drafts, axis=-1).astype(jnp.int32)
+        token = heads.vocab[best].astype(jnp.int32)
+        return z, token, sure, drafts.at[:, i].set(jnp.where(sure, token, -1))
+
+    carry = (hidden.astype(jnp.float32), token.astype(jnp.int32), sure, drafts)
+    for i in range(num_drafts):
+        carry = jax.lax.cond(jnp.any(carry[2]), functools.partial(draft, i), lambda c: c, carry)
+    return carry[3]
 
 
 def unroll_logits(heads: DraftHeads, hidden: jax.Array, features: jax.Array) -> jax.Array:

@@ -131,7 +131,7 @@ def test_the_embedded_smollm2_loads_its_q4_1_blocks_exactly():
 # 150 rows: enough for the kernel to quantise the activations over the thread pool.
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "group_size"),
-    [(1, 48, 96, 32), (3, 64, 256, 128), (17, 112, 160, 32), (150, 48, 256, 128)],
+    [(1, 48, 96, 32), (3, 64, 256, 128), (5, 80, 256, 128), (17, 112, 160, 32), (150, 48, 256, 128)],
 )
 def test_native_int4_kernel_matches_its_reference(isa, rows, out_features, in_features, group_size):
     if isa == "none":

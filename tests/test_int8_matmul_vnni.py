@@ -60,11 +60,12 @@ def test_supported_shapes():
 
 @needs_vnni
 @pytest.mark.parametrize("isa", CPU_ISAS)
-# Odd row counts (row groups of 4 and every remainder), odd numbers of 16-output blocks (the single-block
-# tail), several activation blocks, an output wide enough to be split over the thread pool, and enough
-# rows for the activations to be quantised over the pool.
+# Odd row counts (row groups of 4, every remainder and the five-row tile), odd numbers of 16-output
+# blocks (the single-block tail), several activation blocks, an output wide enough to be split over the
+# thread pool, and enough rows for the activations to be quantised over the pool.
 @pytest.mark.parametrize(
-    "rows,out_features,in_features", [(1, 48, 96), (3, 80, 160), (6, 16, 32), (17, 4112, 224), (150, 48, 256)]
+    "rows,out_features,in_features",
+    [(1, 48, 96), (3, 80, 160), (5, 80, 160), (6, 16, 32), (17, 4112, 224), (150, 48, 256)],
 )
 def test_kernel_matches_its_reference_and_the_float_product(rows, out_features, in_features, isa):
     x, w, q, scale = _problem(rows, out_features, in_features)

@@ -109,6 +109,9 @@ constexpr int kBlocks = 2;
 // Fewer rows than a row tile (decode of a few streams): more output blocks per tile keep more
 // independent accumulator chains in flight while the weights stream from memory.
 constexpr int kBlocksFewRows = 4;
+// Five rows (a verification step of four drafts) in one tile: 10 accumulators, 10 totals, the unpacked
+// weights and broadcasts fit the 32 registers, and the weights are unpacked once instead of twice.
+constexpr bool kFiveRowTile = true;
 
 #else  // AVX2
 
@@ -174,12 +177,16 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0) {
 constexpr int kRows = 2;
 constexpr int kBlocks = 1;
 constexpr int kBlocksFewRows = 1;
+constexpr bool kFiveRowTile = false;
 
 #endif
 
 // Every row group over NB output blocks from nb0: the blocks' weights stay in L1/L2 across row groups.
 template <int NB>
 void Rows(const Problem& p, int64_t nb0) {
+  if constexpr (kFiveRowTile) {
+    if (p.m == 5) return Tile<5, NB>(p, 0, nb0);
+  }
   int64_t m = 0;
   for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, nb0);
   // The rows left over share one pass over the weights too (a verification step's few rows).

@@ -92,6 +92,10 @@ constexpr int kBlocks = 2;
 // Fewer rows than a row tile (an int4 model's logits at one row, through this kernel): four blocks keep
 // more independent accumulator chains in flight while the weights stream from memory.
 constexpr int kBlocksFewRows = 4;
+// Five rows (a verification step of four drafts) in one tile: 10 accumulators, 10 totals and the
+// weights fit the 32 registers, where a tile of four and one of one pass over the weights twice (the
+// 49152 x 576 SmolLM2 logits at 5 rows: 1.80 -> 1.35 ms).
+constexpr bool kFiveRowTile = true;
 
 #else  // AVX2
 
@@ -144,6 +148,7 @@ void Tile(const Problem& p, int64_t m0, int64_t n0, bool prefetch_next) {
 constexpr int kRows = 4;
 constexpr int kBlocks = 1;
 constexpr int kBlocksFewRows = 1;
+constexpr bool kFiveRowTile = false;
 
 #endif
 
@@ -156,6 +161,9 @@ constexpr int kBlocksFewRows = 1;
 // (a one-row decode step of Gemma 3 runs ~9% faster without them).
 template <int NB>
 void Rows(const Problem& p, int64_t n0) {
+  if constexpr (kFiveRowTile) {
+    if (p.m == 5) return Tile<5, NB>(p, 0, n0, true);
+  }
   int64_t m = 0;
   for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, n0, m + kRows == p.m);
   switch (p.m - m) {

@@ -151,6 +151,7 @@ class SequenceState:
     accept_average: float = 0.0
     speculation_paused: int = 0
     next_pause: int = 0  # the length of the next pause: doubles while drafting keeps failing
+    drafting_steps: int = 0  # steps judged since drafting began or last resumed
 
     @property
     def is_live(self) -> bool:
@@ -601,6 +602,26 @@ class Scheduler:
         self._grow(seq, seq.num_computed + num_drafts)
         return min(num_drafts, len(seq.page_ids) * self.page_size - seq.num_computed - 1)
 
+    def _judge_drafting(self, seq: SequenceState, per_step: float) -> None:
+        """Folds one drafting step's accepted drafts (per full-width step) into the request's recent
+        average and pauses its drafting when the average falls below min_accepted."""
+        config = self.speculation
+        seq.drafting_steps += 1
+        seq.accept_average = 0.7 * seq.accept_average + 0.3 * per_step
+        enough = (
+            seq.num_drafted >= 4 * config.num_draft_tokens
+            or seq.drafting_steps >= 4 * config.num_draft_tokens
+        )
+        if seq.accept_average < config.min_accepted and enough:
+            # Paused, then tried again; a request whose drafts fail every time it tries waits twice as
+            # long each time (every verification step costs every row of the batch the wider step).
+            seq.speculation_paused = seq.next_pause or config.pause_steps
+            seq.next_pause = min(2 * seq.speculation_paused, 16 * config.pause_steps)
+            seq.accept_average = config.min_accepted  # a fresh start when it resumes
+            seq.drafting_steps = 0
+        elif per_step >= config.min_accepted:
+            seq.next_pause = 0
+
     def _after_verification(self, seq: SequenceState, num_drafts: int, num_tokens: int) -> None:
         """Counts a verification row's drafts and accepted tokens, pauses a request whose drafts keep
         failing, and gives back the pages that only rejected drafts used."""
@@ -610,19 +631,9 @@ class Scheduler:
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += accepted
         self.num_verify_rows += 1
-        config = self.speculation
         # Per full-width step: a narrower step costs less (JaxEngine verifies the narrowest width that
         # holds the drafts), so one draft accepted half the time pays as well as k accepted k / 2 times.
-        per_step = accepted * config.num_draft_tokens / max(num_drafts, 1)
-        seq.accept_average = 0.7 * seq.accept_average + 0.3 * per_step
-        if seq.accept_average < config.min_accepted and seq.num_drafted >= 4 * config.num_draft_tokens:
-            # Paused, then tried again; a request whose drafts fail every time it tries waits twice as
-            # long each time (every verification step costs every row of the batch the wider step).
-            seq.speculation_paused = seq.next_pause or config.pause_steps
-            seq.next_pause = min(2 * seq.speculation_paused, 16 * config.pause_steps)
-            seq.accept_average = config.min_accepted  # a fresh start when it resumes
-        elif per_step >= config.min_accepted:
-            seq.next_pause = 0
+        self._judge_drafting(seq, accepted * self.speculation.num_draft_tokens / max(num_drafts, 1))
         keep = self._pages_for(seq.num_computed + 1)
         if len(seq.page_ids) > keep:
             self.pool.free(seq.page_ids[keep:][::-1])
@@ -695,8 +706,13 @@ class Scheduler:
             if seq.matcher is not None:
                 constrained.append((seq.matcher, slot))
             drafting = speculating and self._drafts_allowed(seq)
-            heads_drafting[slot] = drafting and self._method(seq) is SpeculativeMethod.HEADS
+            heads = drafting and self._method(seq) is SpeculativeMethod.HEADS
             proposed = self._drafts(seq) if drafting else []
+            if heads and not proposed and seq.head_drafts:
+                # The heads ran for this row last step and were sure of nothing: a step's cost for no
+                # drafts, judged as a step that accepted none (prompt lookup costs no device time).
+                self._judge_drafting(seq, 0.0)
+            heads_drafting[slot] = heads and not seq.speculation_paused
             if seq.speculation_paused:
                 seq.speculation_paused -= 1
             if proposed:
@@ -791,8 +807,12 @@ class Scheduler:
             for slot, (seq, epoch) in owners.items():
                 if not (seq.is_live and seq.epoch == epoch and bool(result.valid[slot])):
                     continue
-                # A step that proposed nothing leaves no drafts: the last ones would be for an old position.
-                seq.head_drafts = () if result.drafts is None else tuple(int(t) for t in result.drafts[slot])
+                # A step whose heads did not run for the row leaves no drafts: the last ones would be for
+                # an old position (and () tells the next step the heads had no say).
+                batch = scheduler_output.decode_batch if owners is scheduler_output.decode_owners else None
+                skipped = batch is not None and batch.drafting is not None and not batch.drafting[slot]
+                ran = result.drafts is not None and not skipped
+                seq.head_drafts = tuple(int(t) for t in result.drafts[slot]) if ran else ()
                 count = int(result.num_tokens[slot])
                 entry = news.setdefault(seq.request_id, _News(seq))
                 reason = None

@@ -228,6 +228,33 @@ def test_heads_run_only_for_the_requests_that_draft_with_them():
     assert steps and all(width > 0 and not drafting.any() for width, drafting in steps)
 
 
+def test_heads_that_are_never_sure_pause_like_failing_drafts():
+    """Heads that run every step but draft nothing cost each step their time for no tokens: after
+    4 * k such steps the request stops running them for pause_steps steps (plain steps), then tries
+    again; the output is still the plain output."""
+    engine = _engine(LLAMA, 4, heads=True, draft_min_probability=0.9)  # random heads: never that sure
+    prompt = list(np.random.default_rng(6).integers(0, LLAMA.vocab_size, 10))
+    tok = IdTokenizer(LLAMA.vocab_size)
+    sampling = [SamplingParams(temperature=0, max_tokens=60)]
+    plain = generate(engine, tok, [prompt], sampling)
+    keys = []
+    run = engine._run
+
+    def logged(key, *args):
+        if key[0] in ("decode", "verify"):
+            keys.append(key[0] if key[0] == "decode" else key[3])
+        return run(key, *args)
+
+    engine._run = logged
+    spec = SpeculationConfig(method="heads", num_draft_tokens=4, pause_steps=10)
+    (fast,) = generate(engine, tok, [prompt], sampling, speculation=spec)
+    assert fast.token_ids == plain[0].token_ids and fast.num_draft_tokens == 0
+    assert set(keys) == {0, "decode"}  # proposing steps, and plain ones while paused
+    first_pause = keys.index("decode")
+    assert first_pause == 4 * 4 - 1  # 16 empty proposals judged (the prefill's and 15 steps'), then paused
+    assert keys[first_pause : first_pause + 10] == ["decode"] * 10 and 0 in keys[first_pause + 10 :]
+
+
 def _mock_prompt(engine: MockEngine, sampling: SamplingParams, start: int, length: int) -> list[int]:
     """`length` tokens the mock model would produce from `start`, then its first three again: the last
     two tokens occurred before, followed by exactly what the model says next (prompt lookup hits)."""

@@ -24,6 +24,8 @@ class SpeculationConfig:
         narrower verification costs less) stops drafting for `pause_steps` decode steps, then tries
         again (each failed retry doubles the pause, up to 16x): a step that verifies drafts costs more
         than a plain one, for every request in it, so drafts that keep failing slow the batch down.
+        A step whose draft heads ran for the request and were sure of nothing counts as a step that
+        accepted none: the heads cost the step their time.
     ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
     draft_min_probability: draft heads draft while their guess is at least this likely under them
         (draft_heads.propose): on CPU a verified position costs a sixth to a third of a step, so a

@@ -75,8 +75,10 @@ def teacher_forced_decode_logits(
     t = len(tokens)
     cache, page_table = cache_for(config, rows, t, cache_dtype)
 
-    @functools.partial(jax.jit, donate_argnums=(1,))
-    def step(token: jax.Array, cache, position: jax.Array):
+    # The weights are an argument, as in the engine's programs: closed over, they would be constants
+    # that XLA folds into the arithmetic around them, differently at each row count.
+    @functools.partial(jax.jit, donate_argnums=(2,))
+    def step(params: Params, token: jax.Array, cache, position: jax.Array):
         inputs = jnp.full((rows, 1), token, jnp.int32)
         positions = jnp.full((rows, 1), position, jnp.int32)
         logits, cache = forward(params, config, inputs, positions, cache, page_table, kernels=kernels)
@@ -84,7 +86,7 @@ def teacher_forced_decode_logits(
 
     out = []
     for position, token in enumerate(tokens):
-        logits, cache = step(jnp.int32(token), cache, jnp.int32(position))
+        logits, cache = step(params, jnp.int32(token), cache, jnp.int32(position))
         out.append(logits)
     return np.asarray(jnp.stack(out))
 

@@ -19,7 +19,7 @@ from jaxinfer.cpu_kernels import (
 )
 from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
 from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
-from jaxinfer.kernel_dispatch import linear
+from jaxinfer.kernel_dispatch import linear, native_attention_min_rows
 from jaxinfer.models.params import fuse_projections, random_params
 from jaxinfer.quantization import add_vnni_weights, quantize_params
 from pallas_kernels import dequantize_int8, quantize_int8
@@ -142,22 +142,29 @@ def test_weights_the_kernel_cannot_take_get_a_bf16_copy():
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_decode_through_the_kernel_matches_recompute_at_any_batch(arch):
     config = dataclasses.replace(CONFIGS[arch], vocab_size=112)  # 112 outputs: the kernel takes every weight
+    if config.embed_scale != 1.0:  # Gemma's sqrt(hidden), not a power of two (as 640's is not)
+        config = dataclasses.replace(config, embed_scale=25.3)
     float_params = random_params(config, seed=3)
     tokens = [int(t) for t in np.random.default_rng(0).integers(0, config.vocab_size, size=20)]
     reference = teacher_forced_logits(float_params, config, tokens, KernelConfig())
     params = add_vnni_weights(quantize_params(fuse_projections(random_params(config, seed=3))))
     assert params["layers"][0]["qkv_proj"].vnni is not None and params["embed"].vnni is not None
-    # Attention through the native kernel too: XLA's own attention may reduce in another order at
-    # another row count.
+    # Attention through the native kernel too, from one row on as the runtime picks for these weights:
+    # XLA's own attention may reduce in another order at another row count.
     kernels = KernelConfig(matmul="native", attention="native")
+    kernels = dataclasses.replace(
+        kernels, native_attention_min_rows=native_attention_min_rows(params["layers"], kernels)
+    )
+    assert kernels.native_attention_min_rows == 1
     full = teacher_forced_logits(params, config, tokens, kernels)  # 20 rows through the kernel
     decoded = {
         rows: teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype="float32")
-        for rows in (2, 6)
+        for rows in (1, 2, 6)
     }
     # Each row is quantised, multiplied and attended on its own, in the same order in any row group: the
     # batch size changes nothing, bit for bit (without the kernels, 2 rows run as matrix-vector products
     # and 6 through the bf16 copies: their logits differ by up to ~0.05).
+    np.testing.assert_array_equal(decoded[1], decoded[2])
     np.testing.assert_array_equal(decoded[2], decoded[6])
     # Cached decode vs one pass over the sequence: the same rows up to float rounding, which can move
     # an activation across an int8 rounding boundary.

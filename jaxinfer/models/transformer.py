@@ -200,8 +200,11 @@ def embed_tokens(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.
     """tokens [b, t] -> the first layer's input [b, t, hidden] in the params' float dtype."""
     x = embed(params["embed"], tokens, params["final_norm"].dtype)
     if config.embed_scale != 1.0:
-        # Gemma rounds the scale to the activation dtype before multiplying.
-        x = x * jnp.asarray(config.embed_scale, dtype=x.dtype)
+        # Gemma rounds the scale to the activation dtype before multiplying. The barrier keeps the
+        # product as it is: fused into the first norm, XLA would fold the scale into the norm's weight
+        # where that saves multiplies (from two rows on, not at one), so a token's state would depend
+        # on how many tokens its step ran (a verification step or prefill chunk against decode).
+        x = jax.lax.optimization_barrier(x * jnp.asarray(config.embed_scale, dtype=x.dtype))
     return x
 
 

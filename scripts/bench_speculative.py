@@ -117,7 +117,12 @@ def main() -> None:
     sampling = with_eos(SamplingParams(temperature=0, max_tokens=args.max_tokens), tok.eos_ids)
 
     def chat(text: str) -> list[int]:
+        if not tok.has_chat_template:  # a GGUF file without one (the packaged Gemma 3): the bare text
+            return tok.encode(text)
         return tok.encode_chat([{"role": "user", "content": text}])
+
+    if not tok.has_chat_template:
+        print("the model has no chat template: prompts are the bare texts")
 
     if args.crossover:
         for n in args.crossover:

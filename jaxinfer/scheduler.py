@@ -708,7 +708,7 @@ class Scheduler:
             drafting = speculating and self._drafts_allowed(seq)
             heads = drafting and self._method(seq) is SpeculativeMethod.HEADS
             proposed = self._drafts(seq) if drafting else []
-            if heads and not proposed and seq.head_drafts:
+            if heads and seq.head_drafts and seq.head_drafts[0] < 0:
                 # The heads ran for this row last step and were sure of nothing: a step's cost for no
                 # drafts, judged as a step that accepted none (prompt lookup costs no device time).
                 self._judge_drafting(seq, 0.0)

@@ -50,6 +50,9 @@ class PrefillChunk:
     num_generated: int = 0
     # [ceil(vocab / 32)] int32: the tokens the sampled token may be (structured output); None: any.
     token_mask: np.ndarray | None = None
+    # Whether the engine's draft heads propose the request's first drafts (StepOutput.drafts; -1 when
+    # not): a request that drafts with them. Only read when is_last.
+    drafting: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -136,7 +136,7 @@ def _prefill_forward(
     params: Params,
     state: DecodeState,
     tokens: jax.Array,  # [1, T] int32, padded
-    chunk: jax.Array,  # int32 [5]: slot, start, true_len, is_last, num_generated
+    chunk: jax.Array,  # int32 [6]: slot, start, true_len, is_last, num_generated, drafting
     page_row: jax.Array,  # [1, N] int32: the request's first N pages
     *,
     config: ModelConfig,
@@ -156,7 +156,7 @@ def _prefill_sample(
     state: DecodeState,
     heads: DraftHeads | None,
     hidden: jax.Array,  # [1, hidden]: the chunk's last token (_prefill_forward)
-    chunk: jax.Array,  # int32 [5]: slot, start, true_len, is_last, num_generated
+    chunk: jax.Array,  # int32 [6]: slot, start, true_len, is_last, num_generated, drafting
     counts_row: jax.Array,  # [1, vocab] int32: the tokens the request has seen (read when is_last)
     mask_row: jax.Array,  # [1, ceil(vocab / 32)] int32: tokens its first output may be (sampling.py)
     settings: SlotSampling,  # this request's settings, arrays of shape [1]
@@ -170,7 +170,7 @@ def _prefill_sample(
 ) -> tuple[DecodeState, jax.Array]:
     """Samples a chunk's next token and sets up its slot: the one prefill program of every bucket."""
     slot, start, true_len = chunk[0], chunk[1], chunk[2]
-    is_last, num_generated = chunk[3].astype(bool), chunk[4]
+    is_last, num_generated, drafting = chunk[3].astype(bool), chunk[4], chunk[5].astype(bool)
     logits = output_logits(params, config, hidden, kernels)
     token = sample(logits, counts_row, settings, num_generated[None], mask_row)  # [1]
     logprobs = _step_logprobs(logits, token[:, None], settings, 1)
@@ -195,7 +195,7 @@ def _prefill_sample(
         counts=put(state.counts, counts_row[0].at[token[0]].add(1)),
     )
     num_slots = state.tokens.shape[0]
-    drafts = _propose(heads, params, config, kernels, hidden, token, min_probability)
+    drafts = _propose(heads, params, config, kernels, hidden, token, min_probability, drafting[None])
     row = _pack(token[:, None], is_last.astype(jnp.int32)[None], done, reason, logprobs, drafts)
     out = jnp.zeros((num_slots, row.shape[1]), jnp.int32).at[slot].set(row[0])
     return state, out
@@ -690,7 +690,10 @@ class JaxEngine(api.Engine):
         mask_row = self._mask_rows(None if chunk.token_mask is None else chunk.token_mask[None], 1)
         return self._prefill_chunk(
             tokens,
-            np.array([chunk.slot, chunk.start, n, int(chunk.is_last), chunk.num_generated], np.int32),
+            np.array(
+                [chunk.slot, chunk.start, n, int(chunk.is_last), chunk.num_generated, int(chunk.drafting)],
+                np.int32,
+            ),
             page_row,
             counts_row,
             mask_row,
@@ -738,7 +741,7 @@ class JaxEngine(api.Engine):
         """Bucket-shaped arguments of a prefill that changes nothing: an empty chunk into slot 0 (its
         padding writes go to the null page), not the last one, so the slot stays inactive."""
         return (
-            np.zeros((1, t), np.int32), np.zeros(5, np.int32), np.zeros((1, pages), np.int32),
+            np.zeros((1, t), np.int32), np.zeros(6, np.int32), np.zeros((1, pages), np.int32),
             np.zeros((1, self.config.vocab_size), np.int32), self._mask_rows(None, 1),
             _settings(SamplingParams()), np.ones(1, np.int32), _stop_row(()),
         )  # fmt: skip

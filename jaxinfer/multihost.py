@@ -227,6 +227,7 @@ def _chunk_to_json(chunk: api.PrefillChunk) -> dict:
         "prompt_token_ids": [int(t) for t in chunk.prompt_token_ids],
         "num_generated": chunk.num_generated,
         "token_mask": None if chunk.token_mask is None else chunk.token_mask.tolist(),
+        "drafting": chunk.drafting,
     }
 
 
@@ -241,6 +242,27 @@ def _chunk_from_json(d: dict) -> api.PrefillChunk:
         prompt_token_ids=d["prompt_token_ids"],
         num_generated=d["num_generated"],
         token_mask=_array(d["token_mask"]),
+        drafting=d["drafting"],
+    )
+
+
+def _batch_to_json(batch: api.DecodeBatch) -> dict:
+    return {
+        "positions": batch.positions.tolist(),
+        "page_table": batch.page_table.tolist(),
+        "token_mask": None if batch.token_mask is None else batch.token_mask.tolist(),
+        "drafts": None if batch.drafts is None else batch.drafts.tolist(),
+        "drafting": None if batch.drafting is None else batch.drafting.tolist(),
+    }
+
+
+def _batch_from_json(d: dict) -> api.DecodeBatch:
+    return api.DecodeBatch(
+        positions=np.asarray(d["positions"], np.int32),
+        page_table=np.asarray(d["page_table"], np.int32),
+        token_mask=_array(d["token_mask"]),
+        drafts=_array(d["drafts"]),
+        drafting=None if d["drafting"] is None else np.asarray(d["drafting"], bool),
     )
 
 
@@ -303,15 +325,7 @@ class LockstepEngine(api.Engine):
         return self.engine.prefill(chunks)
 
     def decode(self, batch: api.DecodeBatch) -> api.PendingStep:
-        self._broadcast(
-            {
-                "op": "decode",
-                "positions": batch.positions.tolist(),
-                "page_table": batch.page_table.tolist(),
-                "token_mask": None if batch.token_mask is None else batch.token_mask.tolist(),
-                "drafts": None if batch.drafts is None else batch.drafts.tolist(),
-            }
-        )
+        self._broadcast({"op": "decode", "batch": _batch_to_json(batch)})
         return self.engine.decode(batch)
 
     def warmup(self) -> float:
@@ -376,10 +390,7 @@ def follow(engine: api.Engine, cluster: Cluster, *, timeout_s: float = 300.0) ->
                 if op == "prefill":
                     engine.prefill([_chunk_from_json(c) for c in message["chunks"]])
                 elif op == "decode":
-                    positions = np.asarray(message["positions"], np.int32)
-                    page_table = np.asarray(message["page_table"], np.int32)
-                    mask, drafts = _array(message["token_mask"]), _array(message["drafts"])
-                    engine.decode(api.DecodeBatch(positions, page_table, mask, drafts))
+                    engine.decode(_batch_from_json(message["batch"]))
                 elif op == "warmup":
                     engine.warmup()
                 else:

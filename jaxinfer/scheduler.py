@@ -568,6 +568,14 @@ class Scheduler:
             return SpeculativeMethod.OFF
         return SpeculativeMethod(seq.sampling.speculative or self.speculation.method)
 
+    def _heads_draft(self, seq: SequenceState) -> bool:
+        """Whether `seq` drafts with the engine's draft heads now (they propose its next drafts)."""
+        return (
+            self._speculation_on()
+            and self._drafts_allowed(seq)
+            and self._method(seq) is SpeculativeMethod.HEADS
+        )
+
     def _drafts_allowed(self, seq: SequenceState) -> bool:
         """Whether `seq` may draft at all: speculation on for it, no grammar (its mask would have to
         follow every draft), and not paused for low acceptance."""
@@ -763,6 +771,7 @@ class Scheduler:
                 prompt_token_ids=fill if is_last else (),
                 num_generated=len(seq.output_token_ids),
                 token_mask=self._grammar.allowed_mask(seq.matcher) if is_last and seq.matcher else None,
+                drafting=is_last and self._heads_draft(seq),
             )
         )
         seq.num_computed += n
@@ -796,6 +805,11 @@ class Scheduler:
             raise RuntimeError("flush_text() must follow update_from_output(defer_text=True)")
         news: dict[str, _News] = {}
         finished: list[RequestOutput] = []
+        # The rows the step's heads proposed for: a prefill chunk's `drafting`, a decode batch's.
+        proposed_for = {c.slot: c.drafting for c in scheduler_output.prefill_chunks}
+        batch = scheduler_output.decode_batch
+        if batch is not None and batch.drafting is not None:
+            proposed_for.update((slot, bool(batch.drafting[slot])) for slot in scheduler_output.decode_owners)
         for owners, result in [
             (scheduler_output.prefill_owners, prefill_result),
             (scheduler_output.decode_owners, decode_result),
@@ -809,9 +823,7 @@ class Scheduler:
                     continue
                 # A step whose heads did not run for the row leaves no drafts: the last ones would be for
                 # an old position (and () tells the next step the heads had no say).
-                batch = scheduler_output.decode_batch if owners is scheduler_output.decode_owners else None
-                skipped = batch is not None and batch.drafting is not None and not batch.drafting[slot]
-                ran = result.drafts is not None and not skipped
+                ran = result.drafts is not None and proposed_for.get(slot, True)
                 seq.head_drafts = tuple(int(t) for t in result.drafts[slot]) if ran else ()
                 count = int(result.num_tokens[slot])
                 entry = news.setdefault(seq.request_id, _News(seq))

@@ -272,7 +272,8 @@ class MockEngine(Engine):
                 s.sampling, s.last_token, s.active = c.sampling, fill[-1], True
                 s.num_generated, s.history = c.num_generated, fill
                 self._sample_into(out, c.slot, c.token_mask)
-                self._propose(out, c.slot)
+                if c.drafting:
+                    self._propose(out, c.slot)
         return self._dispatch(out, is_decode=False)
 
     def decode(self, batch: DecodeBatch) -> PendingStep:

@@ -25,7 +25,7 @@ from jaxinfer.cpu_kernels import (
 from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
 from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.int4_calibration import calibrate_int4
-from jaxinfer.kernel_dispatch import embed, linear
+from jaxinfer.kernel_dispatch import embed, linear, native_attention_min_rows
 from jaxinfer.loading.gguf_loader import int4_blocks
 from jaxinfer.models.params import check_params, fuse_projections, random_params
 from jaxinfer.quantization import (
@@ -251,18 +251,22 @@ def test_int4_decode_matches_recompute_at_any_batch(native):
     # order at another row count.
     attention = "native" if native and decode_attention_available() else "xla"
     kernels = KernelConfig(matmul="native", attention=attention) if native else KernelConfig()
-    if native:
-        params = pack_int4_weights(params)
+    if native:  # the runtime's forms (packed int4 layers, the embedding in the VNNI layout) and its
+        # attention choice (the native kernel from one row on where every output projection is native)
+        params = add_kernel_forms(params, kernels)
         assert isinstance(params["layers"][0]["qkv_proj"], PackedInt4Weight)
+        min_rows = native_attention_min_rows(params["layers"], kernels)
+        kernels = dataclasses.replace(kernels, native_attention_min_rows=min_rows)
     full = teacher_forced_logits(params, config, tokens, kernels)
     # Exact through XLA; the native kernel rounds activations to int8 blocks of 32 (~1% per product,
     # compounding over the layers: 4.1% measured on this random model).
     assert _rel(full, reference) < (6e-2 if native else 1e-5)
     decoded = {
         rows: teacher_forced_decode_logits(params, config, tokens, kernels, rows=rows, cache_dtype="float32")
-        for rows in (2, 5)
+        for rows in (1, 2, 5)
     }
     if attention == "native":  # each row quantised and multiplied on its own: bit for bit at any batch
+        np.testing.assert_array_equal(decoded[1], decoded[2])
         np.testing.assert_array_equal(decoded[2], decoded[5])
     # Cached decode vs one pass: float rounding may move an activation across an int8 rounding boundary.
     for rows, logits in decoded.items():

@@ -159,6 +159,41 @@ def test_followers_replay_every_call_of_process_0_in_order():
     assert replayed and replayed[0] >= len(leader.log)
 
 
+def test_engine_calls_cross_the_control_channel_with_every_field():
+    """Every field of a prefill chunk and a decode batch survives the control channel's JSON, each set
+    away from its default: a field left out would run the follower's program on another input than
+    process 0's (a decode batch's `drafting` is an input of its verification program)."""
+    import dataclasses
+
+    from jaxinfer import multihost
+    from jaxinfer.engine import DecodeBatch, PrefillChunk
+    from jaxinfer.request import SamplingParams
+
+    chunk = PrefillChunk(
+        slot=2, token_ids=[5, 6], start=3, sampling=SamplingParams(temperature=0.5, seed=4, max_tokens=9),
+        page_ids=[1, 2], is_last=False, prompt_token_ids=[1, 2, 3, 5, 6], num_generated=1,
+        token_mask=np.array([7, -1], np.int32), drafting=False,
+    )  # fmt: skip
+    batch = DecodeBatch(
+        positions=np.array([3, -1], np.int32), page_table=np.array([[1, 2], [0, 0]], np.int32),
+        token_mask=np.array([[1], [-1]], np.int32), drafts=np.array([[4, -1], [-1, -1]], np.int32),
+        drafting=np.array([True, False]),
+    )  # fmt: skip
+    round_trips = [
+        (chunk, multihost._chunk_from_json(json.loads(json.dumps(multihost._chunk_to_json(chunk))))),
+        (batch, multihost._batch_from_json(json.loads(json.dumps(multihost._batch_to_json(batch))))),
+    ]
+    for original, back in round_trips:
+        for field in dataclasses.fields(original):
+            want, got = getattr(original, field.name), getattr(back, field.name)
+            if isinstance(want, np.ndarray):  # array fields default to None, or have no default
+                assert field.default is None or field.default is dataclasses.MISSING, field.name
+                assert got.dtype == want.dtype and np.array_equal(got, want), field.name
+            else:
+                assert want != field.default, f"{field.name} is left at its default: the test cannot see it"
+                assert (list(got) if isinstance(want, list) else got) == want, field.name
+
+
 def test_cluster_arguments_and_meshes_are_checked():
     import pytest
 

@@ -196,21 +196,23 @@ def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
 
 
 def test_heads_run_only_for_the_requests_that_draft_with_them():
-    """Prompt lookup and heads requests in one batch: a step's heads propose for the heads request's
-    row alone, a batch without one never runs them (no proposing steps of width 0), and greedy output
-    is the plain output either way."""
+    """Prompt lookup and heads requests in one batch: the prefill's and each step's heads propose for
+    the heads request's row alone, a batch without one never runs them (no proposing steps of width
+    0), and greedy output is the plain output either way."""
     engine = _engine(LLAMA, 3, heads=True, slots=2)
     rng = np.random.default_rng(5)
     motif = list(rng.integers(0, LLAMA.vocab_size, 5))
     prompts = [motif * 4, list(rng.integers(0, LLAMA.vocab_size, 12))]
     tok = IdTokenizer(LLAMA.vocab_size)
     plain = generate(engine, tok, prompts, [SamplingParams(temperature=0, max_tokens=30)] * 2)
-    steps = []
+    steps, prefills = [], {}
     run = engine._run
 
     def logged(key, *args):
         if key[0] == "verify":
             steps.append((key[3], np.asarray(args[-1]).copy()))
+        if key[0] == "prefill_sample":  # (heads, hidden, chunk: slot, ..., drafting, ...)
+            prefills[int(args[2][0])] = bool(args[2][5])
         return run(key, *args)
 
     engine._run = logged
@@ -219,6 +221,7 @@ def test_heads_run_only_for_the_requests_that_draft_with_them():
     sampling = [SamplingParams(temperature=0, max_tokens=30, speculative=m) for m in methods]
     mixed = generate(engine, tok, prompts, sampling, speculation=spec)
     assert [c.token_ids for c in mixed] == [c.token_ids for c in plain]
+    assert prefills == {0: False, 1: True}  # the first drafts too: the heads request's alone
     assert steps and not any(drafting[0] for _, drafting in steps)
     assert any(drafting[1] for _, drafting in steps)
     steps.clear()

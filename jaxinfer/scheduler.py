@@ -568,13 +568,10 @@ class Scheduler:
             return SpeculativeMethod.OFF
         return SpeculativeMethod(seq.sampling.speculative or self.speculation.method)
 
-    def _heads_draft(self, seq: SequenceState) -> bool:
-        """Whether `seq` drafts with the engine's draft heads now (they propose its next drafts)."""
-        return (
-            self._speculation_on()
-            and self._drafts_allowed(seq)
-            and self._method(seq) is SpeculativeMethod.HEADS
-        )
+    def _heads_draft(self, seq: SequenceState, speculating: bool) -> bool:
+        """Whether `seq` drafts with the engine's draft heads now (they propose its next drafts), where
+        `speculating` is _speculation_on() for this step."""
+        return speculating and self._drafts_allowed(seq) and self._method(seq) is SpeculativeMethod.HEADS
 
     def _drafts_allowed(self, seq: SequenceState) -> bool:
         """Whether `seq` may draft at all: speculation on for it, no grammar (its mask would have to
@@ -714,7 +711,7 @@ class Scheduler:
             if seq.matcher is not None:
                 constrained.append((seq.matcher, slot))
             drafting = speculating and self._drafts_allowed(seq)
-            heads = drafting and self._method(seq) is SpeculativeMethod.HEADS
+            heads = self._heads_draft(seq, speculating)
             proposed = self._drafts(seq) if drafting else []
             if heads and seq.head_drafts and seq.head_drafts[0] < 0:
                 # The heads ran for this row last step and were sure of nothing: a step's cost for no
@@ -771,7 +768,7 @@ class Scheduler:
                 prompt_token_ids=fill if is_last else (),
                 num_generated=len(seq.output_token_ids),
                 token_mask=self._grammar.allowed_mask(seq.matcher) if is_last and seq.matcher else None,
-                drafting=is_last and self._heads_draft(seq),
+                drafting=is_last and self._heads_draft(seq, self._speculation_on()),
             )
         )
         seq.num_computed += n

@@ -69,8 +69,9 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     )
     p.add_argument(
         "--quantize", default="auto", choices=["auto", *QUANTIZATION_MODES],
-        help="weight quantisation; int4 repacks a GGUF file's 4-bit blocks as they are (its other tensors "
-        "int8); auto on CPU: int4 for GGUF files where the native int4 kernel runs, else int8; else none",
+        help="weight quantisation; int4 repacks a GGUF file's 4- and 5-bit blocks as they are (its other "
+        "tensors int8); auto on CPU: int4 for GGUF files of 4-bit linear weights where the native kernel "
+        "runs, else int8; else none",
     )  # fmt: skip
     p.add_argument(
         "--weights-cache", default=None,
@@ -255,10 +256,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     before = weight_bytes(loaded.params)
     clips, how = None, ""
     if args.quantize == "int4" and loaded.kind == "gguf":
-        # The file's own 4-bit blocks, repacked; its wider tensors int8 (as the runtime loads it).
+        # The file's own 4- and 5-bit blocks, repacked; its wider tensors int8 (as the runtime loads it).
         blocks = load_gguf(loaded.path, dtype=args.dtype or "float32", int4=True)
         params = quantize_params(blocks.params, "int8")
-        how = ", the GGUF file's 4-bit blocks as they are"
+        how = ", the GGUF file's 4- and 5-bit blocks as they are"
     else:
         if args.quantize == "int4" and args.calibration_steps > 0:
             from jaxinfer.int4_calibration import CALIBRATION_TEXT, calibrate_int4

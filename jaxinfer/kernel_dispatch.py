@@ -20,7 +20,7 @@ from jaxinfer.cpu_kernels import (
     int4_matmul_cpu,
     int8_matmul_vnni,
 )
-from jaxinfer.weight_formats import Int4Weight, Int8Weight, PackedInt4Weight
+from jaxinfer.weight_formats import Int4Weight, Int5Weight, Int8Weight, PackedInt4Weight, PackedInt5Weight
 from pallas_kernels import int4_matmul, int8_matmul, quantize_int8
 from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
@@ -51,14 +51,17 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     rows) or int8 activations take over. With native kernels the VNNI kernel serves every row count
     (quantization.add_vnni_weights).
     4-bit weights have no fast XLA form on CPU: the native int4 kernel serves every row count there
-    (PackedInt4Weight), the Pallas kernel on TPU/GPU.
+    (PackedInt4Weight), the Pallas kernel on TPU/GPU. 5-bit weights (a GGUF file's Q5 blocks) have the
+    native kernel on CPU (PackedInt5Weight) and elsewhere the XLA product over the dequantised weight.
     """
     if isinstance(w, Int8Weight):
         y = _int8_linear(x.reshape(-1, x.shape[-1]), w, kernels)
-    elif isinstance(w, PackedInt4Weight):
+    elif isinstance(w, (PackedInt4Weight, PackedInt5Weight)):
         y = int4_matmul_cpu(x.reshape(-1, x.shape[-1]), w)
     elif isinstance(w, Int4Weight):
         y = _int4_linear(x.reshape(-1, x.shape[-1]), w, kernels)
+    elif isinstance(w, Int5Weight):
+        y = x.reshape(-1, x.shape[-1]) @ w.dequantize(x.dtype).T
     else:
         return x @ w.astype(x.dtype).T
     return y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
@@ -257,7 +260,9 @@ def decode_attention_pallas(
 
 
 def _native_at_one_row(w, kernels: KernelConfig) -> bool:
-    return isinstance(w, PackedInt4Weight) or (isinstance(w, Int8Weight) and _vnni_serves(w, kernels))
+    return isinstance(w, (PackedInt4Weight, PackedInt5Weight)) or (
+        isinstance(w, Int8Weight) and _vnni_serves(w, kernels)
+    )
 
 
 def native_attention_min_rows(layers: list[dict], kernels: KernelConfig) -> int:

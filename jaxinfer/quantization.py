@@ -11,8 +11,8 @@ The formats themselves are weight_formats' types. `quantize_params(params, mode)
         divides becomes Int8Weight instead. The embedding table and an untied lm_head become Int8Weight,
         as llama.cpp's 4-bit files keep them at 6-8 bits: they are a small share of a large model's bytes
         and the logits are sensitive to them. The routers stay float in every mode.
-Norms stay float. Leaves already quantised (a GGUF file's own 4-bit blocks, loading/gguf_loader.py) are
-kept. Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
+Norms stay float. Leaves already quantised (a GGUF file's own 4- and 5-bit blocks, loading/gguf_loader.py)
+are kept. Leaves are quantised one at a time on their devices and the float copy is freed at once, so peak
 memory stays near one float copy.
 
 Kernel forms, added after quantisation for the backend that runs them (runtime.add_kernel_forms):
@@ -23,7 +23,8 @@ products at every row count on x86 CPUs (cpu_kernels/int8_matmul_vnni.py). Witho
 bf16 x bf16 -> f32 dot at 16-512 rows is as fast as an int8 x int8 one without quantising the
 activations (measured on SmolLM2's shapes: 16 rows 29.7 vs 29.2 ms, 128 rows 106 vs 135 ms). It triples
 the weight memory of the int8 model (still 75% of f32). `pack_int4_weights` replaces each Int4Weight by
-the native int4 kernel's layout (cpu_kernels/int4_matmul.py), which serves every row count. Stacked
+the native int4 kernel's layout (cpu_kernels/int4_matmul.py), which serves every row count, and each
+Int5Weight (a GGUF file's 5-bit blocks, kept as they are in int4 mode) by the same kernel's int5 form. Stacked
 expert weights take none of these forms: the grouped-matmul kernels read their int8 or int4 bytes as
 they are.
 """
@@ -35,11 +36,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels import exact_in_float16, int4_matmul_supports, pack_int4, pack_weight
+from jaxinfer.cpu_kernels import exact_in_float16, int4_matmul_supports, pack_int4, pack_int5, pack_weight
 from jaxinfer.cpu_kernels import supports as supports_vnni
 from jaxinfer.models.params import Params
 from jaxinfer.weight_formats import (
     Int4Weight,
+    Int5Weight,
     Int8Weight,
     format_name,
     int4_group_size,
@@ -158,15 +160,18 @@ def add_vnni(w: Int8Weight) -> Int8Weight:
 
 
 _pack_int4 = jax.jit(pack_int4, static_argnames="half_scales")
+_pack_int5 = jax.jit(pack_int5, static_argnames="half_scales")
 
 
 def pack_int4_weights(params: Params) -> Params:
-    """Replaces every Int4Weight matrix whose shape the native int4 kernel takes by its PackedInt4Weight,
-    with float16 scales where that changes no value (stacked int4 expert weights stay as they are)."""
+    """Replaces every Int4Weight and Int5Weight matrix whose shape the native int4 kernel takes by its
+    PackedInt4Weight or PackedInt5Weight, with float16 scales where that changes no value (stacked int4
+    expert weights stay as they are)."""
 
     def pack(path, name: str, w):
-        if _is_matrix_int4(w) and int4_matmul_supports(*w.shape):
-            packed = _pack_int4(w, half_scales=exact_in_float16(w))
+        five = isinstance(w, Int5Weight)
+        if (_is_matrix_int4(w) or five) and int4_matmul_supports(*w.shape):
+            packed = (_pack_int5 if five else _pack_int4)(w, half_scales=exact_in_float16(w))
             jax.tree.map(lambda a: a.delete(), w)
             return packed
         return w
@@ -180,7 +185,7 @@ def weight_bytes(params: Params) -> int:
 
 
 def quantization_of(params: Params) -> str:
-    """ "int4" when any layer weight (stacked experts included) is 4-bit, else "int8" when any is
-    quantised, else "none"."""
+    """ "int4" when any layer weight (stacked experts included) is 4-bit or 5-bit (int4 mode keeps a GGUF
+    file's 5-bit blocks too), else "int8" when any is quantised, else "none"."""
     formats = {format_name(w) for layer in params["layers"] for w in layer.values()}
-    return "int4" if "int4" in formats else "int8" if "int8" in formats else "none"
+    return "int4" if formats & {"int4", "int5"} else "int8" if "int8" in formats else "none"

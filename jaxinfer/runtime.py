@@ -187,7 +187,7 @@ def resolve_quantize(quantize: str, backend: str, kind: str = "hf") -> str:
     """`auto` on CPU: int4 for a GGUF file where the native int4 kernel runs (build_runtime takes a file
     that mixes 4-bit with wider blocks to int8 after all), else int8; elsewhere the float weights stay.
 
-    int4 from GGUF repacks the file's 4-bit blocks as they are (its other tensors go to int8), so it is
+    int4 from GGUF repacks the file's 4- and 5-bit blocks as they are (its others go to int8), so it is
     closer to the file than int8, which requantises those blocks, holds 20% of the float32 bytes
     instead of 25%, and is no slower (SmolLM2 medians: one stream 167 vs 148 tok/s, 16 streams 935 vs
     858 on an AMD EPYC; docs/benchmarks.md). From a float checkpoint int4 would round
@@ -200,6 +200,11 @@ def resolve_quantize(quantize: str, backend: str, kind: str = "hf") -> str:
     return "int4" if kind == "gguf" and int4_matmul_available() else "int8"
 
 
+# Bumped when a quantisation mode's weights change form (int4 mode keeping a GGUF file's 5-bit blocks),
+# so a cache entry written by older code is converted again rather than served.
+CONVERTED_FORMAT = 2
+
+
 def _weights_cache_entry(options: RuntimeOptions, gguf_path: Path, quantize: str, dtype: str) -> Path | None:
     """The converted-weights folder for this GGUF file and quantisation (keyed by the file's size and
     modification time), or None when there is nothing to cache (or several processes share the job)."""
@@ -208,7 +213,7 @@ def _weights_cache_entry(options: RuntimeOptions, gguf_path: Path, quantize: str
     if jax.process_count() > 1:  # orbax saves and restores collectively across processes: keep it simple
         return None
     stat = gguf_path.stat()
-    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{quantize}-{dtype}"
+    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-{quantize}-{dtype}-v{CONVERTED_FORMAT}"
     return Path(options.weights_cache_dir).expanduser() / key
 
 
@@ -340,16 +345,17 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
             # Parsing a large vocabulary's GGUF metadata takes seconds: parse it once for both.
             reader = open_gguf(path)
             if options.quantize == "auto" and quantize == "int4" and not linear_weights_are_4bit(reader):
-                # A file mixing 4-bit with wider blocks: its projections cannot fuse across formats and
-                # the extra kernel calls cost more at one stream than 4 bits save (Gemma 3 Q4_K_M: ~100
-                # vs ~113 tok/s), so auto takes it to int8 like a float checkpoint.
+                # A file mixing 4-bit with wider blocks (Gemma 3's Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) runs no
+                # faster kept as int4 / int5 / int8 at one stream (decode steps 9.80 vs 9.70 ms in one
+                # process) and slower at 16 (36.4 vs 34.2 ms): the 4- and 5-bit kernels do more per
+                # weight than the int8 one. So auto takes it to int8 like a float checkpoint.
                 quantize = "int8"
             loaded = load_gguf(reader, dtype=dtype, placement=placement, int4=quantize == "int4")
             tokenizer = load_tokenizer(loaded, reader)
         else:
             loaded = load_model(path, dtype=dtype, placement=placement)
             tokenizer = load_tokenizer(loaded)
-        if quantize != "none":  # leaves already quantised (a GGUF file's 4-bit blocks) are kept
+        if quantize != "none":  # leaves already quantised (a GGUF file's 4-/5-bit blocks) are kept
             before = weight_bytes(loaded.params)
             # A GGUF file's tensors stored above 4 bits (Q5_0, Q6_K, Q8_0) keep most of that as int8.
             mode = "int8" if kind == "gguf" else quantize

@@ -10,11 +10,15 @@ these types; adding a format means a class here, its kernels and its tests.
                       q in [0, 15], g = i // group_size; or stacked expert weights [experts, out, in]
                       with scale and minimum [experts, out, groups] (models/moe.py)
     PackedInt4Weight  an Int4Weight in the native CPU kernel's layout (cpu_kernels/int4_matmul.py)
+    Int5Weight        w[o, i] = q[o, i] * scale[o, g] + minimum[o, g],  q in [0, 31]  (5 + 64 / 32 bits)
+    PackedInt5Weight  an Int5Weight in the same kernel's layout, its fifth bits beside the nibbles
 
 Int4Weight holds float32 scales and minimums so that GGUF's 4-bit blocks map onto it exactly: Q4_0
 (w = d * (q - 8): scale d, minimum -8d), Q4_1 (w = d * q + m) and Q4_K (each 32-weight sub-block: scale
 d * sc, minimum -dmin * m, products of a float16 and a 6-bit integer, exact in float32). At a group of 32
-that is 6 bits per weight: 19% of float32, 75% of int8.
+that is 6 bits per weight: 19% of float32, 75% of int8. Int5Weight keeps GGUF's 5-bit blocks the same
+way (Q5_0: w = d * (q - 16); Q5_1: w = d * q + m), at 7 bits per weight (6 with the CPU kernel's float16
+scales) where int8 would take 8 and round them again.
 """
 
 from __future__ import annotations
@@ -138,7 +142,76 @@ class PackedInt4Weight:
         return (self.packed.shape[0] * self.packed.shape[2], self.in_features)
 
 
-QUANTIZED_TYPES = (Int8Weight, Int4Weight, PackedInt4Weight)
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["packed", "high", "scale", "minimum"],
+    meta_fields=["group_size"],
+)
+@dataclasses.dataclass(frozen=True)
+class Int5Weight:
+    """Asymmetric 5-bit values per group of `group_size` consecutive inputs (GGUF's Q5_0 / Q5_1 blocks).
+
+    packed: uint8 [out, in / 2], the low four bits of q as Int4Weight.packed holds them.
+    high: uint8 [out, in / 8]; bit j of byte b is the fifth bit of q[o, 8b + j].
+    scale, minimum: float32 [out, in / group_size]; w = q * scale + minimum, q in [0, 31].
+    """
+
+    packed: Any
+    high: Any
+    scale: Any
+    minimum: Any
+    group_size: int = 32
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.packed.shape[:-1], 2 * self.packed.shape[-1])
+
+    def values(self) -> jax.Array:
+        """q: uint8 [out, in] in [0, 31]."""
+        low = Int4Weight(self.packed, self.scale, self.minimum, self.group_size).values()
+        bits = (self.high[..., None] >> jnp.arange(8, dtype=jnp.uint8)) & 1  # [out, in / 8, 8]
+        return low | (bits.reshape(low.shape) << 4).astype(jnp.uint8)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """w = q * scale + minimum per group, [out, in] in `dtype` (computed in float32)."""
+        groups = self.values().reshape(*self.shape[:-1], -1, self.group_size).astype(jnp.float32)
+        w = groups * self.scale[..., None] + self.minimum[..., None]
+        return w.reshape(self.shape).astype(dtype)
+
+    @classmethod
+    def from_values(cls, q, scale, minimum, group_size: int) -> Int5Weight:
+        """From unpacked q uint8 [out, in] in [0, 31] (numpy or jax; numpy stays on the host)."""
+        xp = np if isinstance(q, np.ndarray) else jnp
+        low = Int4Weight.from_values(q & 15, scale, minimum, group_size)
+        bits = (q >> 4).reshape(*q.shape[:-1], -1, 8).astype(xp.uint8)
+        high = (bits << xp.arange(8, dtype=xp.uint8)).sum(-1, dtype=xp.uint8)
+        return cls(low.packed, high, scale, minimum, group_size)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["packed", "high", "scale", "minimum"],
+    meta_fields=["group_size", "in_features"],
+)
+@dataclasses.dataclass(frozen=True)
+class PackedInt5Weight:
+    """An Int5Weight in the layout of the native CPU kernel (cpu_kernels.int4_matmul: pack_int5 builds it
+    and documents the layout); it replaces the Int5Weight, so the weight is held once."""
+
+    packed: Any  # uint8 [out / 16, in / 8, 16, 4]: the low four bits, as PackedInt4Weight.packed
+    high: Any  # uint8 [out / 16, in / 8, 16]: the fifth bits
+    scale: Any  # float32 [out / 16, in / group_size, 16], or float16 where every value is one exactly
+    minimum: Any  # [out / 16, in / group_size, 16], the scale's dtype
+    group_size: int = 32
+    in_features: int = 0
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0] * self.packed.shape[2], self.in_features)
+
+
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, PackedInt4Weight, Int5Weight, PackedInt5Weight)
+GROUPED_TYPES = (Int4Weight, PackedInt4Weight, Int5Weight, PackedInt5Weight)  # scales per group of inputs
 
 
 def is_quantized(w) -> bool:
@@ -146,11 +219,13 @@ def is_quantized(w) -> bool:
 
 
 def format_name(w) -> str:
-    """ "float", "int8" or "int4" (either int4 layout)."""
+    """ "float", "int8", "int4" or "int5" (either layout)."""
     if isinstance(w, Int8Weight):
         return "int8"
     if isinstance(w, (Int4Weight, PackedInt4Weight)):
         return "int4"
+    if isinstance(w, (Int5Weight, PackedInt5Weight)):
+        return "int5"
     return "float"
 
 
@@ -217,24 +292,24 @@ def quantize_int4(w: jax.Array, group_size: int = 32, clip: jax.Array | None = N
 
 
 def concat_rows(weights: list) -> Any:
-    """Weights of one format stacked along `out` (fused projections); float arrays or Int8/Int4Weight."""
+    """Weights of one format stacked along `out` (fused projections); float arrays or Int8/4/5Weight."""
     first = weights[0]
     if not all(type(w) is type(first) for w in weights):
         raise ValueError(f"cannot fuse weights of formats {[format_name(w) for w in weights]}")
-    if isinstance(first, Int4Weight):
+    if isinstance(first, (Int4Weight, Int5Weight)):
         if len({w.group_size for w in weights}) != 1:
-            raise ValueError("cannot fuse int4 weights of different group sizes")
-    if isinstance(first, PackedInt4Weight):
+            raise ValueError(f"cannot fuse {format_name(first)} weights of different group sizes")
+    if isinstance(first, (PackedInt4Weight, PackedInt5Weight)):
         raise ValueError("fuse projections before packing for the CPU kernel")
     return jax.tree.map(lambda *arrays: jnp.concatenate(arrays), *weights)
 
 
 def describe(w) -> dict[str, Any]:
     """What a checkpoint records about a leaf so it can be restored into the same type."""
-    if isinstance(w, Int4Weight):
-        return {"format": "int4", "group_size": w.group_size}
-    if isinstance(w, PackedInt4Weight):
-        raise ValueError("save the Int4Weight form, not the CPU kernel's packing")
+    if isinstance(w, (Int4Weight, Int5Weight)):
+        return {"format": format_name(w), "group_size": w.group_size}
+    if isinstance(w, (PackedInt4Weight, PackedInt5Weight)):
+        raise ValueError(f"save the {format_name(w)} weight's own form, not the CPU kernel's packing")
     return {"format": format_name(w)}
 
 
@@ -253,6 +328,19 @@ def abstract_weight(description: dict[str, Any], shape: tuple[int, ...], target,
         groups = (*lead, out_features, in_features // group_size)
         return Int4Weight(
             target("packed", (*lead, out_features, in_features // 2), np.uint8),
+            target("scale", groups, np.float32),
+            target("minimum", groups, np.float32),
+            group_size,
+        )
+    if kind == "int5":
+        group_size = int(description["group_size"])
+        check_int4_shape(shape, group_size)
+        if lead:
+            raise ValueError("int5 holds one [out, in] matrix, not stacked experts")
+        groups = (out_features, in_features // group_size)
+        return Int5Weight(
+            target("packed", (out_features, in_features // 2), np.uint8),
+            target("high", (out_features, in_features // 8), np.uint8),
             target("scale", groups, np.float32),
             target("minimum", groups, np.float32),
             group_size,

@@ -5,7 +5,7 @@
 
 Prints weight bytes before and after, greedy agreement per position and both perplexities:
   int8: for each int8 matmul form this backend can run.
-  int4: the GGUF file's own 4-bit blocks repacked (--quantize int4 on a GGUF model; its other tensors
+  int4: the GGUF file's own 4- and 5-bit blocks repacked (--quantize int4 on a GGUF model; its others
         int8) against the dequantised file; and int4 from the float weights at groups of 32 and 128,
         round-to-nearest against clipping ranges calibrated with optax (int4_calibration.py) on a
         different text than the one evaluated.
@@ -79,7 +79,7 @@ def evaluate_int4(model: str, calibration_steps: int) -> None:
 
     if loaded.kind == "gguf":
         blocks = quantize_params(load_gguf(loaded.path, int4=True).params, "int8")
-        run("the GGUF file's 4-bit blocks, other tensors int8", blocks)
+        run("the GGUF file's 4- and 5-bit blocks, other tensors int8", blocks)
     calibration = tokenizer.encode(CALIBRATION_TEXT)
     for group_size in (32, 128):
         copy = jax.tree.map(jnp.copy, loaded.params)  # quantize_params consumes its input

@@ -14,6 +14,7 @@ from jaxinfer.cpu_kernels.int4_matmul import (
     int4_matmul_cpu,
     int4_matmul_cpu_reference,
     pack_int4,
+    pack_int5,
     unpack_int4,
 )
 from jaxinfer.cpu_kernels.int4_matmul import supports as int4_matmul_supports
@@ -38,6 +39,7 @@ __all__ = [
     "int8_matmul_vnni",
     "int8_matmul_vnni_reference",
     "pack_int4",
+    "pack_int5",
     "pack_weight",
     "supports",
     "unpack_int4",

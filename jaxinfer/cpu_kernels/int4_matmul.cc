@@ -1,4 +1,5 @@
-// int4 weights x int8-quantised activations for XLA:CPU (AVX-512 VNNI or AVX2), as an XLA FFI custom call.
+// int4 (or int5) weights x int8-quantised activations for XLA:CPU (AVX-512 VNNI or AVX2), as XLA FFI custom
+// calls: jaxinfer_int4_matmul and jaxinfer_int5_matmul, the same kernel with a fifth bit per weight.
 //
 //   out[m, n] = sum_b xs[m, b] * scale[n, g(b)] * sum_{k in b} xq[m, k] * q[n, k]
 //             + sum_g minimum[n, g] * sum_{k in g} x[m, k]
@@ -10,11 +11,16 @@
 // scale   f32 or f16 [N/16, G, 16] per output and group of K/G inputs (32 or 128)
 // minimum [N/16, G, 16]            of the scale's type: float16 where every value is one exactly (GGUF's
 //                                  Q4_0 / Q4_1 blocks), a sixth fewer bytes to read than float32
+// high    u8  [N/16, K/8, 16]      int5 only: the fifth bits. Bytes 0-7 of a chunk are a little-endian
+//                                  64-bit mask over the 64 bytes of w's chunk, bit 4o + j the fifth bit of
+//                                  the value in its low nibble (q[o, 8c + j]); bytes 8-15 the same for
+//                                  the high nibbles (q[o, 8c + 4 + j]). q in [0, 31].
 // out     f32 [M, N]
 //
 // q is unsigned and x signed, the operand types of vpdpbusd (AVX-512 VNNI). AVX2 has no such instruction:
 // vpmaddubsw (u8 x s8 -> s16 pair sums, at most 2 * 15 * 127) accumulates a whole block of 32 inputs in
-// 16 bits (8 products of at most 3810 stay below 32767), then one vpmaddwd widens it to 32 bits.
+// 16 bits (8 products of at most 3810 stay below 32767), then one vpmaddwd widens it to 32 bits; with five
+// bits a pair reaches 2 * 31 * 127 = 7874, so int5 widens after every two chunks (4 pairs).
 // One 64-byte load holds 8 inputs of 16 outputs; the nibbles split with a shift and a mask.
 #include <immintrin.h>
 
@@ -40,6 +46,7 @@ struct Problem {
   const float* xs;     // [M, K/32]
   const float* xsum;   // [M, G]: float sums of x over each weight group
   const uint8_t* w;
+  const uint8_t* high;  // int5's fifth bits, nullptr for int4
   const void* scale;  // float or float16 bits (half)
   const void* minimum;
   bool half;
@@ -56,10 +63,18 @@ inline __m512 LoadLanes(const void* base, bool half, int64_t at) {
   return _mm512_loadu_ps(static_cast<const float*>(base) + at);
 }
 
+// A 64-bit mask from 8 bytes of the fifth-bit plane.
+inline __mmask64 LoadMask(const uint8_t* at) {
+  uint64_t bits;
+  __builtin_memcpy(&bits, at, 8);
+  return _cvtu64_mask64(bits);
+}
+
 // MR rows x NB blocks of 16 outputs starting at block nb0.
-template <int MR, int NB>
+template <int MR, int NB, bool kFive>
 void Tile(const Problem& p, int64_t m0, int64_t nb0) {
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi8(16);
   __m512 total[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) total[i][j] = _mm512_setzero_ps();
@@ -77,6 +92,11 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0) {
           const __m512i v = _mm512_loadu_si512(p.w + ((nb0 + j) * chunks + c) * 64);
           lo[j] = _mm512_and_si512(v, low);
           hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          if constexpr (kFive) {
+            const uint8_t* bits = p.high + ((nb0 + j) * chunks + c) * 16;
+            lo[j] = _mm512_mask_add_epi8(lo[j], LoadMask(bits), lo[j], sixteen);
+            hi[j] = _mm512_mask_add_epi8(hi[j], LoadMask(bits + 8), hi[j], sixteen);
+          }
         }
         for (int i = 0; i < MR; ++i) {
           int32_t four[2];
@@ -122,10 +142,22 @@ inline __m256 LoadLanes(const void* base, bool half, int64_t at) {
   return _mm256_loadu_ps(static_cast<const float*>(base) + at);
 }
 
+// 16 added to each of 32 bytes whose bit is set in `bits` (bit k for byte k).
+inline __m256i FifthBits(uint32_t bits) {
+  const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit_of_byte = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), byte_of_bit);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_byte), bit_of_byte);
+  return _mm256_and_si256(set, _mm256_set1_epi8(16));
+}
+
 // One 16-output block is two 8-lane halves; MR rows x 2 halves.
-template <int MR, int NB>
+template <int MR, int NB, bool kFive>
 void Tile(const Problem& p, int64_t m0, int64_t nb0) {
   static_assert(NB == 1, "the AVX2 tile covers one block of 16 outputs");
+  // Chunks whose pair sums one 16-bit lane holds: 8 pairs of 4-bit products, 4 of 5-bit ones.
+  constexpr int kChunksPerWiden = kFive ? 2 : kBlockK / kChunkK;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 total[MR][2];
@@ -136,27 +168,41 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0) {
     const int64_t at = (nb0 * p.groups + g) * kBlockN;
     const __m256 scale_lo = LoadLanes(p.scale, p.half, at), scale_hi = LoadLanes(p.scale, p.half, at + 8);
     for (int64_t b = g * p.blocks_per_group; b < (g + 1) * p.blocks_per_group; ++b) {
-      __m256i acc[MR][2];
-      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
-      for (int64_t c = b * (kBlockK / kChunkK); c < (b + 1) * (kBlockK / kChunkK); ++c) {
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + 32));
-        const __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-        const __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-        for (int i = 0; i < MR; ++i) {
-          int32_t four[2];
-          __builtin_memcpy(four, p.xq + (m0 + i) * p.k + c * kChunkK, 8);
-          const __m256i x_lo = _mm256_set1_epi32(four[0]), x_hi = _mm256_set1_epi32(four[1]);
-          acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(lo0, x_lo));
-          acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(hi0, x_hi));
-          acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(lo1, x_lo));
-          acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(hi1, x_hi));
+      __m256i sum[MR][2];
+      for (int i = 0; i < MR; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
+      for (int64_t c0 = b * (kBlockK / kChunkK); c0 < (b + 1) * (kBlockK / kChunkK); c0 += kChunksPerWiden) {
+        __m256i acc[MR][2];
+        for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+        for (int64_t c = c0; c < c0 + kChunksPerWiden; ++c) {
+          const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64));
+          const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + c * 64 + 32));
+          __m256i lo0 = _mm256_and_si256(v0, low), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+          __m256i lo1 = _mm256_and_si256(v1, low), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+          if constexpr (kFive) {
+            uint32_t bits[4];  // low nibbles of lanes 0-7, of lanes 8-15; high nibbles the same
+            __builtin_memcpy(bits, p.high + (nb0 * chunks + c) * 16, 16);
+            lo0 = _mm256_or_si256(lo0, FifthBits(bits[0]));
+            lo1 = _mm256_or_si256(lo1, FifthBits(bits[1]));
+            hi0 = _mm256_or_si256(hi0, FifthBits(bits[2]));
+            hi1 = _mm256_or_si256(hi1, FifthBits(bits[3]));
+          }
+          for (int i = 0; i < MR; ++i) {
+            int32_t four[2];
+            __builtin_memcpy(four, p.xq + (m0 + i) * p.k + c * kChunkK, 8);
+            const __m256i x_lo = _mm256_set1_epi32(four[0]), x_hi = _mm256_set1_epi32(four[1]);
+            acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(lo0, x_lo));
+            acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(hi0, x_hi));
+            acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(lo1, x_lo));
+            acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(hi1, x_hi));
+          }
         }
+        for (int i = 0; i < MR; ++i)
+          for (int h = 0; h < 2; ++h) sum[i][h] = _mm256_add_epi32(sum[i][h], _mm256_madd_epi16(acc[i][h], ones));
       }
       for (int i = 0; i < MR; ++i) {
         const __m256 xs = _mm256_set1_ps(p.xs[(m0 + i) * (p.k / kBlockK) + b]);
-        const __m256 d0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][0], ones));
-        const __m256 d1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][1], ones));
+        const __m256 d0 = _mm256_cvtepi32_ps(sum[i][0]);
+        const __m256 d1 = _mm256_cvtepi32_ps(sum[i][1]);
         total[i][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, xs), scale_lo, total[i][0]);
         total[i][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, xs), scale_hi, total[i][1]);
       }
@@ -182,32 +228,35 @@ constexpr bool kFiveRowTile = false;
 #endif
 
 // Every row group over NB output blocks from nb0: the blocks' weights stay in L1/L2 across row groups.
-template <int NB>
+template <int NB, bool kFive>
 void Rows(const Problem& p, int64_t nb0) {
   if constexpr (kFiveRowTile) {
-    if (p.m == 5) return Tile<5, NB>(p, 0, nb0);
+    if (p.m == 5) return Tile<5, NB, kFive>(p, 0, nb0);
   }
   int64_t m = 0;
-  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, nb0);
+  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB, kFive>(p, m, nb0);
   // The rows left over share one pass over the weights too (a verification step's few rows).
   switch (p.m - m) {
-    case 3: Tile<3, NB>(p, m, nb0); break;
-    case 2: Tile<2, NB>(p, m, nb0); break;
-    case 1: Tile<1, NB>(p, m, nb0); break;
+    case 3: Tile<3, NB, kFive>(p, m, nb0); break;
+    case 2: Tile<2, NB, kFive>(p, m, nb0); break;
+    case 1: Tile<1, NB, kFive>(p, m, nb0); break;
   }
 }
 
+template <bool kFive>
 void Columns(const Problem& p, int64_t nb_begin, int64_t nb_end) {
   int64_t nb = nb_begin;
   // Up to two rows: four output blocks per tile; three rows of four blocks would not fit the registers.
   if (p.m <= 2)
-    for (; nb + kBlocksFewRows <= nb_end; nb += kBlocksFewRows) Rows<kBlocksFewRows>(p, nb);
-  for (; nb + kBlocks <= nb_end; nb += kBlocks) Rows<kBlocks>(p, nb);
-  for (; nb < nb_end; ++nb) Rows<1>(p, nb);
+    for (; nb + kBlocksFewRows <= nb_end; nb += kBlocksFewRows) Rows<kBlocksFewRows, kFive>(p, nb);
+  for (; nb + kBlocks <= nb_end; nb += kBlocks) Rows<kBlocks, kFive>(p, nb);
+  for (; nb < nb_end; ++nb) Rows<1, kFive>(p, nb);
 }
 
-ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer scale,
-                      ffi::AnyBuffer minimum, ffi::ResultBuffer<ffi::F32> out) {
+// high: the fifth bits for int5 (a [N/16, K/8, 16] u8 buffer), nullptr for int4.
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                  const ffi::Buffer<ffi::U8>* high, ffi::AnyBuffer scale, ffi::AnyBuffer minimum,
+                  ffi::ResultBuffer<ffi::F32> out) {
   const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = minimum.dimensions();
   if (xd.size() != 2 || wd.size() != 4 || sd.size() != 3 || md.size() != 3 || wd[2] != kBlockN || wd[3] != 4 ||
       sd[2] != kBlockN || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2])
@@ -219,6 +268,11 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   const ffi::DataType kind = scale.element_type();
   if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || minimum.element_type() != kind)
     return ffi::Error::InvalidArgument("int4_matmul: scale and minimum must be both float32 or both float16");
+  if (high != nullptr) {
+    const auto hd = high->dimensions();
+    if (hd.size() != 3 || hd[0] != wd[0] || hd[1] != wd[1] || hd[2] != 16)
+      return ffi::Error::InvalidArgument("int5_matmul: want high [N/16, K/8, 16] beside w [N/16, K/8, 16, 4]");
+  }
   if (m == 0) return ffi::Error::Success();
   const int64_t group = k / groups;
   const int64_t blocks_per_row = k / kBlockK, blocks_per_group = group / kBlockK;
@@ -226,8 +280,9 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   std::vector<float> xs(m * blocks_per_row), block_sum(m * blocks_per_row), xsum(m * groups, 0.0f);
   jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, xq.data(), xs.data(), block_sum.data(), nullptr);
   for (int64_t b = 0; b < m * blocks_per_row; ++b) xsum[b / blocks_per_group] += block_sum[b];
-  Problem p{xq.data(), xs.data(), xsum.data(), w.typed_data(), scale.untyped_data(), minimum.untyped_data(),
-            kind == ffi::DataType::F16, out->typed_data(), m, wd[0] * kBlockN, k, groups, blocks_per_group};
+  Problem p{xq.data(), xs.data(), xsum.data(), w.typed_data(), high ? high->typed_data() : nullptr,
+            scale.untyped_data(), minimum.untyped_data(), kind == ffi::DataType::F16, out->typed_data(), m,
+            wd[0] * kBlockN, k, groups, blocks_per_group};
 
   const int64_t blocks = wd[0];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -238,9 +293,25 @@ ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   // one stream, SmolLM2 / Gemma 3: 164 / 96 tok/s splitting from 128K, 176 / 100 from 512K, 149 / 93
   // from 1M).
   jaxinfer::ParallelFor(pool, chunks, m * p.n * p.k, [&p, per_chunk, blocks](int64_t c) {
-    Columns(p, c * per_chunk, std::min(blocks, (c + 1) * per_chunk));
+    const int64_t begin = c * per_chunk, end = std::min(blocks, (c + 1) * per_chunk);
+    if (p.high != nullptr) {
+      Columns<true>(p, begin, end);
+    } else {
+      Columns<false>(p, begin, end);
+    }
   }, int64_t{1} << 19);
   return ffi::Error::Success();
+}
+
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer scale,
+                      ffi::AnyBuffer minimum, ffi::ResultBuffer<ffi::F32> out) {
+  return Matmul(pool, x, w, nullptr, scale, minimum, out);
+}
+
+ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
+                      ffi::Buffer<ffi::U8> high, ffi::AnyBuffer scale, ffi::AnyBuffer minimum,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  return Matmul(pool, x, w, &high, scale, minimum, out);
 }
 
 }  // namespace
@@ -249,6 +320,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int4_matmul), Int4Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int5_matmul), Int5Matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -8,8 +8,10 @@ With `int4=True`, linear weights stored as Q4_0, Q4_1 or Q4_K blocks are repacke
 weight_formats.Int4Weight without a float round trip (`int4_blocks`): every 32-weight (sub-)block maps
 onto one group's scale and minimum, so the model computes the file's own values. Stacked expert weights
 (`ffn_gate_exps.weight` etc., [experts, out, in]) in those types become a stacked Int4Weight the same
-way, their rows repacked as one [experts * out, in] matrix. Tensors in other types load as float as
-usual (quantization.quantize_params then takes them to int8).
+way, their rows repacked as one [experts * out, in] matrix. Linear weights stored as Q5_0 or Q5_1 become
+weight_formats.Int5Weight the same way (`int5_blocks`; stacked experts in those types load as float,
+the grouped-matmul kernels read no 5-bit form). Tensors in other types load as float as usual
+(quantization.quantize_params then takes them to int8).
 
 Conventions of llama.cpp's files against ours (jaxinfer/models/params.py):
   * "llama"-architecture Q/K rows are stored permuted for adjacent-pair RoPE (Family.gguf_permutes_qk);
@@ -44,8 +46,8 @@ from jaxinfer.loading.common import (
 )
 from jaxinfer.models.families import family_for_gguf, family_named
 from jaxinfer.models.family import Family
-from jaxinfer.quantization import INT4_LEAVES
-from jaxinfer.weight_formats import Int4Weight
+from jaxinfer.quantization import INT4_LEAVES, LINEAR_LEAVES
+from jaxinfer.weight_formats import Int4Weight, Int5Weight
 
 _TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm", "output.weight": "lm_head"}
 # GGUF metadata keys (after "{arch}.") -> the Hugging Face config keys every family reads.
@@ -171,8 +173,8 @@ def load_gguf(
     placement: Placement | None = None,
     int4: bool = False,
 ) -> LoadedModel:
-    """Reads config and weights from a GGUF file, dequantising (or, with int4, repacking 4-bit blocks)
-    and placing one tensor at a time."""
+    """Reads config and weights from a GGUF file, dequantising (or, with int4, repacking 4- and 5-bit
+    blocks) and placing one tensor at a time."""
     reader = open_gguf(path)
     config = config_from_gguf(reader)
     family = family_named(config.arch)
@@ -184,8 +186,9 @@ def load_gguf(
         if isinstance(key_path[-1], tuple):  # a fused tensor (Phi-3's attn_qkv)
             parts = tuple((*key_path[:-1], leaf) for leaf in key_path[-1])
             builder.put_rows(parts, _host_tensor(tensor, key_path, family, config), source=tensor.name)
-        elif int4 and key_path[-1] in INT4_LEAVES and tensor.tensor_type in INT4_BLOCK_TYPES:
-            builder.put_quantized(key_path, _host_int4(tensor, key_path, family, config), source=tensor.name)
+        elif int4 and _kept_as_blocks(key_path[-1], tensor.tensor_type):
+            blocks = _host_blocks(tensor, key_path, family, config)
+            builder.put_quantized(key_path, blocks, source=tensor.name)
         else:
             value = _host_tensor(tensor, key_path, family, config)
             builder.put(key_path, value, source=tensor.name, owned=True)
@@ -194,6 +197,15 @@ def load_gguf(
 
 Q = gguf.GGMLQuantizationType
 INT4_BLOCK_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+INT5_BLOCK_TYPES = (Q.Q5_0, Q.Q5_1)
+
+
+def _kept_as_blocks(leaf: str, tensor_type) -> bool:
+    """Whether int4 mode keeps a tensor's blocks as they are: 4-bit ones of every linear weight (stacked
+    experts included), 5-bit ones of the plain linear weights (the grouped matmuls read no 5-bit form)."""
+    if tensor_type in INT4_BLOCK_TYPES:
+        return leaf in INT4_LEAVES
+    return tensor_type in INT5_BLOCK_TYPES and leaf in LINEAR_LEAVES
 
 
 def linear_weights_are_4bit(reader: gguf.GGUFReader) -> bool:
@@ -239,16 +251,42 @@ def int4_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, 
     raise ValueError(f"{tensor_type.name} is not a 4-bit block type ({[t.name for t in INT4_BLOCK_TYPES]})")
 
 
-def _host_int4(tensor: Any, key_path: KeyPath, family: Family, config: ModelConfig) -> Int4Weight:
-    """One 4-bit tensor as a host Int4Weight in our layout ([out, in], half-split Q/K rows; stacked
-    expert weights [experts, out, in] with scale and minimum [experts, out, groups])."""
+def int5_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A 5-bit GGUF tensor's raw rows uint8 [rows, row bytes] -> (q uint8 [rows, cols] in [0, 31], scale
+    float32 [rows, cols / 32], minimum float32 [rows, cols / 32]) with w = q * scale + minimum exactly as
+    llama.cpp dequantises it: Q5_0 w = d * (q - 16), Q5_1 w = d * q + m; a block's 32-bit qh holds the
+    fifth bits, bit j for the value in byte j's low nibble (input j), bit j + 16 for its high one (j + 16)."""
+    if tensor_type not in INT5_BLOCK_TYPES:
+        raise ValueError(f"{tensor_type.name} is not a 5-bit block type (Q5_0, Q5_1)")
+    rows = data.shape[0]
+    block = 22 if tensor_type == Q.Q5_0 else 24
+    blocks = data.reshape(rows, -1, block)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    if tensor_type == Q.Q5_0:
+        minimum, at = -16.0 * d, 2
+    else:
+        minimum, at = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32), 4
+    qh = np.ascontiguousarray(blocks[..., at : at + 4]).view("<u4")[..., 0]  # [rows, blocks]
+    fifth = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, blocks, 32]
+    qs = blocks[..., at + 4 :]
+    q = np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth << 4)
+    return q.reshape(rows, -1), d, minimum
+
+
+def _host_blocks(
+    tensor: Any, key_path: KeyPath, family: Family, config: ModelConfig
+) -> Int4Weight | Int5Weight:
+    """One 4- or 5-bit tensor as a host Int4Weight or Int5Weight in our layout ([out, in], half-split Q/K
+    rows; stacked expert weights [experts, out, in] with scale and minimum [experts, out, groups])."""
     shape = tuple(reversed(tensor.shape.tolist()))  # numpy order: [..., out, in]
     data = tensor.data.reshape(-1, tensor.data.shape[-1])  # [rows, row bytes]
-    q, scale, minimum = (a.reshape(*shape[:-1], -1) for a in int4_blocks(data, tensor.tensor_type))
+    five = tensor.tensor_type in INT5_BLOCK_TYPES
+    blocks = int5_blocks if five else int4_blocks
+    q, scale, minimum = (a.reshape(*shape[:-1], -1) for a in blocks(data, tensor.tensor_type))
     if family.gguf_permutes_qk and key_path[-1] in ("q_proj", "k_proj"):
         heads = config.num_heads if key_path[-1] == "q_proj" else config.num_kv_heads
         q, scale, minimum = (unpermute_rope_rows(a, heads) for a in (q, scale, minimum))
-    return Int4Weight.from_values(q, scale, minimum, GGUF_BLOCK)
+    return (Int5Weight if five else Int4Weight).from_values(q, scale, minimum, GGUF_BLOCK)
 
 
 def unpermute_rope_rows(w: np.ndarray, num_heads: int) -> np.ndarray:

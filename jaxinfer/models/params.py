@@ -47,7 +47,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.weight_formats import Int4Weight, concat_rows, logical_shape
+from jaxinfer.weight_formats import (
+    GROUPED_TYPES,
+    Int8Weight,
+    concat_rows,
+    is_quantized,
+    logical_shape,
+    quantize_int8,
+)
 
 Params = dict[str, Any]
 
@@ -143,20 +150,29 @@ def fuse_projections(params: Params) -> Params:
 
     One matrix-vector product instead of three (or two) per layer: fewer ops per decode step, and a
     larger product runs nearer the memory bandwidth on XLA:CPU than a small one. Works on every weight
-    format (per-output-channel and per-group scales concatenate along the rows too) as long as the
-    parts share one format; parts that do not (a GGUF file mixing 4- and 6-bit blocks) stay apart.
-    Only for meshes without a tensor axis: a row split of a fused matrix would cut across q/k/v.
+    format (per-output-channel and per-group scales concatenate along the rows too). Quantised parts of
+    different formats (a GGUF file's 5-bit q and k beside an 8-bit v) fuse as int8: at one row three
+    small products cost more than the bytes the narrower formats save. Float parts beside quantised
+    ones stay apart. Only for meshes without a tensor axis: a row split of a fused matrix would cut
+    across q/k/v.
     """
     layers = []
     for layer in params["layers"]:
         layer = dict(layer)
         for fused, parts in FUSED_PROJECTIONS.items():
-            if all(p in layer for p in parts) and _same_format([layer[p] for p in parts]):
-                layer[fused] = concat_rows([layer.pop(p) for p in parts])
+            if not all(p in layer for p in parts):
+                continue
+            weights = [layer[p] for p in parts]
+            if not _same_format(weights) and all(is_quantized(w) for w in weights):
+                weights = [w if isinstance(w, Int8Weight) else quantize_int8(w.dequantize()) for w in weights]
+            if _same_format(weights):
+                layer[fused] = concat_rows(weights)
+                for p in parts:
+                    del layer[p]
         layers.append(layer)
     return {**params, "layers": layers}
 
 
 def _same_format(weights: list) -> bool:
-    kinds = {(type(w), w.group_size if isinstance(w, Int4Weight) else None) for w in weights}
+    kinds = {(type(w), w.group_size if isinstance(w, GROUPED_TYPES) else None) for w in weights}
     return len(kinds) == 1

@@ -77,6 +77,13 @@ class Int8Weight:
         return (q.astype(jnp.float32) * self.scale[..., None]).astype(dtype)
 
 
+def _dequantize_groups(w, dtype) -> jax.Array:
+    """w.values() * scale + minimum per group of w.group_size inputs (an Int4Weight or Int5Weight)."""
+    shape = w.shape
+    groups = w.values().reshape(*shape[:-1], -1, w.group_size).astype(jnp.float32)
+    return (groups * w.scale[..., None] + w.minimum[..., None]).reshape(shape).astype(dtype)
+
+
 @functools.partial(
     jax.tree_util.register_dataclass, data_fields=["packed", "scale", "minimum"], meta_fields=["group_size"]
 )
@@ -107,10 +114,7 @@ class Int4Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """w = q * scale + minimum per group, [..., out, in] in `dtype` (computed in float32)."""
-        shape = self.shape
-        groups = self.values().reshape(*shape[:-1], -1, self.group_size).astype(jnp.float32)
-        w = groups * self.scale[..., None] + self.minimum[..., None]
-        return w.reshape(shape).astype(dtype)
+        return _dequantize_groups(self, dtype)
 
     @classmethod
     def from_values(cls, q, scale, minimum, group_size: int) -> Int4Weight:
@@ -174,9 +178,7 @@ class Int5Weight:
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """w = q * scale + minimum per group, [out, in] in `dtype` (computed in float32)."""
-        groups = self.values().reshape(*self.shape[:-1], -1, self.group_size).astype(jnp.float32)
-        w = groups * self.scale[..., None] + self.minimum[..., None]
-        return w.reshape(self.shape).astype(dtype)
+        return _dequantize_groups(self, dtype)
 
     @classmethod
     def from_values(cls, q, scale, minimum, group_size: int) -> Int5Weight:

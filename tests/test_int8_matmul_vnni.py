@@ -65,7 +65,7 @@ def test_supported_shapes():
 # thread pool, and enough rows for the activations to be quantised over the pool.
 @pytest.mark.parametrize(
     "rows,out_features,in_features",
-    [(1, 48, 96), (3, 80, 160), (5, 80, 160), (6, 16, 32), (17, 4112, 224), (150, 48, 256)],
+    [(1, 48, 96), (1, 4112, 224), (3, 80, 160), (5, 80, 160), (6, 16, 32), (17, 4112, 224), (150, 48, 256)],
 )
 def test_kernel_matches_its_reference_and_the_float_product(rows, out_features, in_features, isa):
     x, w, q, scale = _problem(rows, out_features, in_features)

@@ -52,7 +52,8 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     (quantization.add_vnni_weights).
     4-bit weights have no fast XLA form on CPU: the native int4 kernel serves every row count there
     (PackedInt4Weight), the Pallas kernel on TPU/GPU. 5-bit weights (a GGUF file's Q5 blocks) have the
-    native kernel on CPU (PackedInt5Weight) and elsewhere the XLA product over the dequantised weight.
+    native kernel on CPU (PackedInt5Weight); the runtime gives other kernels int8 instead
+    (quantization.int5_as_int8), and an Int5Weight passed here takes XLA's product over its values.
     """
     if isinstance(w, Int8Weight):
         y = _int8_linear(x.reshape(-1, x.shape[-1]), w, kernels)

@@ -179,6 +179,23 @@ def pack_int4_weights(params: Params) -> Params:
     return map_weights(params, pack)
 
 
+_int5_as_int8 = jax.jit(lambda w: quantize_int8(w.dequantize()))
+
+
+def int5_as_int8(params: Params) -> Params:
+    """Every Int5Weight requantised to int8 per output channel: the form for kernels other than the native
+    CPU ones, where no kernel reads 5 bits and XLA would dequantise the weight on every call."""
+
+    def requantize(path, name: str, w):
+        if isinstance(w, Int5Weight):
+            int8 = _int5_as_int8(w)
+            jax.tree.map(lambda a: a.delete(), w)
+            return int8
+        return w
+
+    return map_weights(params, requantize)
+
+
 def weight_bytes(params: Params) -> int:
     """Bytes held by every weight array (quantised values, scales and kernel copies included)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(params))

@@ -31,6 +31,7 @@ from jaxinfer.models.params import fuse_projections
 from jaxinfer.quantization import (
     add_bf16_copies,
     add_vnni_weights,
+    int5_as_int8,
     pack_int4_weights,
     quantization_of,
     quantize_params,
@@ -200,8 +201,8 @@ def resolve_quantize(quantize: str, backend: str, kind: str = "hf") -> str:
     return "int4" if kind == "gguf" and int4_matmul_available() else "int8"
 
 
-# Bumped when a quantisation mode's weights change form (int4 mode keeping a GGUF file's 5-bit blocks),
-# so a cache entry written by older code is converted again rather than served.
+# The form of the converted weights in a cache entry's key: an entry written under another form (code
+# that converted the same mode differently) is converted again rather than served.
 CONVERTED_FORMAT = 2
 
 
@@ -313,11 +314,13 @@ def _cache_config(options: RuntimeOptions, config: ModelConfig, dtype: str) -> C
 
 def add_kernel_forms(params, kernels: KernelConfig):
     """The quantised weights in the forms the chosen kernels read: on CPU with native kernels, int8
-    weights take their VNNI packing and int4 weights the int4 kernel's layout; with XLA matmuls, int8
-    weights gain bf16 copies for several rows (quantization.py)."""
+    weights take their VNNI packing and int4 / int5 weights the int4 kernel's layouts; elsewhere int5
+    weights become int8, and with XLA matmuls int8 weights gain bf16 copies for several rows
+    (quantization.py)."""
     if kernels.matmul == "native":
         params = pack_int4_weights(params)
         return params if kernels.int8_activations else add_vnni_weights(params)
+    params = int5_as_int8(params)
     if kernels.matmul == "xla" and not kernels.int8_activations:
         return add_bf16_copies(params)
     return params

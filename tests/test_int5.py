@@ -184,3 +184,21 @@ def test_int5_checkpoints_round_trip(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="int5"):
         describe(pack_int5(params["layers"][0]["q_proj"]))
+
+
+@pytest.mark.parametrize("matmul", ["xla", "pallas"])
+def test_kernels_without_a_5bit_form_get_the_weights_as_int8(matmul):
+    from jaxinfer.runtime import add_kernel_forms
+
+    rng = np.random.default_rng(9)
+    w = _weight(rng, 48, 96)
+    want = np.asarray(quantize_int8(w.dequantize()).dequantize())
+    params = add_kernel_forms({"layers": [{"q_proj": w}]}, KernelConfig(matmul=matmul))  # consumes w
+    got = params["layers"][0]["q_proj"]
+    assert isinstance(got, Int8Weight)
+    np.testing.assert_array_equal(np.asarray(got.dequantize()), want)
+    if int4_matmul_available():
+        native = add_kernel_forms(
+            {"layers": [{"q_proj": _weight(rng, 48, 96)}]}, KernelConfig(matmul="native")
+        )
+        assert isinstance(native["layers"][0]["q_proj"], PackedInt5Weight)

@@ -93,7 +93,8 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument(
         "--speculative", default="off", choices=["off", "ngram", "heads"],
         help="speculative decoding: draft tokens by prompt lookup (ngram) or by draft heads on the model's "
-        "hidden state (heads), verified by the model in one step; a request may pick another or 'off'",
+        "hidden state where prompt lookup finds nothing (heads), verified by the model in one step; a "
+        "request may pick another or 'off'",
     )  # fmt: skip
     p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts verified per step and request")
     p.add_argument(

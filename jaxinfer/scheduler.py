@@ -597,9 +597,12 @@ class Scheduler:
         k = min(config.num_draft_tokens, seq.sampling.num_draft_tokens or config.num_draft_tokens, room)
         if k <= 0:
             return []
-        if self._method(seq) is SpeculativeMethod.HEADS:  # the heads' sure drafts: up to the first -1
+        looked_up = propose_ngram(seq.all_token_ids, k, config.ngram_max, config.ngram_min)
+        if self._method(seq) is SpeculativeMethod.HEADS and not looked_up:
+            # Prompt lookup first: where the text repeats its context its drafts are right more often
+            # than the heads'. Else the heads' sure drafts, up to the first -1.
             return list(itertools.takewhile(lambda t: t >= 0, seq.head_drafts[:k]))
-        return propose_ngram(seq.all_token_ids, k, config.ngram_max, config.ngram_min)
+        return looked_up
 
     def _reserve_draft_pages(self, seq: SequenceState, num_drafts: int) -> int:
         """Pages for positions up to num_computed + num_drafts, as far as free pages allow (drafts never

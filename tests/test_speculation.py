@@ -234,7 +234,8 @@ def test_heads_run_only_for_the_requests_that_draft_with_them():
 def test_heads_that_are_never_sure_pause_like_failing_drafts():
     """Heads that run every step but draft nothing cost each step their time for no tokens: after
     4 * k such steps the request stops running them for pause_steps steps (plain steps), then tries
-    again; the output is still the plain output."""
+    again; the output is still the plain output. Where prompt lookup matches, a heads request drafts
+    by it instead (this tiny model's output repeats itself)."""
     engine = _engine(LLAMA, 4, heads=True, draft_min_probability=0.9)  # random heads: never that sure
     prompt = list(np.random.default_rng(6).integers(0, LLAMA.vocab_size, 10))
     tok = IdTokenizer(LLAMA.vocab_size)
@@ -249,13 +250,22 @@ def test_heads_that_are_never_sure_pause_like_failing_drafts():
         return run(key, *args)
 
     engine._run = logged
-    spec = SpeculationConfig(method="heads", num_draft_tokens=4, pause_steps=10)
+    # Prompt lookup kept from matching (n-grams longer than the text), so only the heads could draft.
+    no_lookup = dict(ngram_min=100, ngram_max=100)
+    spec = SpeculationConfig(method="heads", num_draft_tokens=4, pause_steps=10, **no_lookup)
     (fast,) = generate(engine, tok, [prompt], sampling, speculation=spec)
     assert fast.token_ids == plain[0].token_ids and fast.num_draft_tokens == 0
     assert set(keys) == {0, "decode"}  # proposing steps, and plain ones while paused
     first_pause = keys.index("decode")
     assert first_pause == 4 * 4 - 1  # 16 empty proposals judged (the prefill's and 15 steps'), then paused
     assert keys[first_pause : first_pause + 10] == ["decode"] * 10 and 0 in keys[first_pause + 10 :]
+    # With prompt lookup: its drafts are verified (widths above 0) and accepted, the tokens unchanged.
+    keys.clear()
+    spec = SpeculationConfig(method="heads", num_draft_tokens=4, pause_steps=10)
+    (looked_up,) = generate(engine, tok, [prompt], sampling, speculation=spec)
+    assert looked_up.token_ids == plain[0].token_ids
+    assert looked_up.num_draft_tokens > 0 and looked_up.num_accepted_tokens > 0
+    assert any(key not in (0, "decode") for key in keys)
 
 
 def _mock_prompt(engine: MockEngine, sampling: SamplingParams, start: int, length: int) -> list[int]:

@@ -9,7 +9,7 @@ import enum
 class SpeculativeMethod(enum.StrEnum):
     OFF = "off"
     NGRAM = "ngram"  # prompt lookup on the host (speculation.ngram)
-    HEADS = "heads"  # draft heads on the device (speculation.draft_heads)
+    HEADS = "heads"  # draft heads on the device (speculation.draft_heads), prompt lookup where it matches
 
 
 @dataclasses.dataclass(frozen=True)

@@ -713,13 +713,12 @@ class Scheduler:
             seq.num_dispatched_outputs += 1
             if seq.matcher is not None:
                 constrained.append((seq.matcher, slot))
-            drafting = speculating and self._drafts_allowed(seq)
             heads = self._heads_draft(seq, speculating)
-            proposed = self._drafts(seq) if drafting else []
             if heads and seq.head_drafts and seq.head_drafts[0] < 0:
                 # The heads ran for this row last step and were sure of nothing: a step's cost for no
                 # drafts, judged as a step that accepted none (prompt lookup costs no device time).
                 self._judge_drafting(seq, 0.0)
+            proposed = self._drafts(seq) if speculating and self._drafts_allowed(seq) else []
             heads_drafting[slot] = heads and not seq.speculation_paused
             if seq.speculation_paused:
                 seq.speculation_paused -= 1
@@ -838,7 +837,9 @@ class Scheduler:
                         reason = entry.add_text(token) or reason
                 if owners is scheduler_output.decode_owners and slot in scheduler_output.num_drafts:
                     seq.num_computed += count  # the verified inputs: its last token and the accepted drafts
-                    seq.num_dispatched_outputs = len(seq.output_token_ids)
+                    # Dispatch counted one output; steps dispatched since (a paused request does not
+                    # wait for this result) have counted theirs on top.
+                    seq.num_dispatched_outputs += count - 1
                     self._after_verification(seq, scheduler_output.num_drafts[slot], count)
                 if reason is not None:
                     finished.append(self._finish(seq, reason, **news.pop(seq.request_id).fields()))

@@ -115,6 +115,7 @@ class MockEngine(Engine):
         fail_at_decode: int | None = None,
         max_draft_tokens: int = 0,
         draft_heads_depth: int = 0,
+        heads_unsure: bool = False,
     ):
         if num_slots <= 0 or max_seq_len <= 0 or max_prefill_chunk <= 0 or vocab_size <= 1:
             raise ValueError(f"{num_slots=}, {max_seq_len=}, {max_prefill_chunk=}, {vocab_size=} must be > 0")
@@ -129,6 +130,7 @@ class MockEngine(Engine):
         self.fail_at_decode = fail_at_decode
         self._max_draft_tokens = max_draft_tokens
         self._draft_heads_depth = draft_heads_depth
+        self.heads_unsure = heads_unsure  # the heads are sure of nothing: every draft -1
         self._slots = [_MockSlot() for _ in range(num_slots)]
         self._kv = np.full((self._num_pages, page_size), -1, np.int64)  # token id at each position
         self._lock = threading.Lock()
@@ -187,7 +189,7 @@ class MockEngine(Engine):
     def _propose(self, out: StepOutput, slot: int) -> None:
         """The mock draft heads: the true continuation, except that every third draft is off by one
         (so verification accepts some drafts and rejects others)."""
-        if out.drafts is None:
+        if out.drafts is None or self.heads_unsure:
             return
         s, last = self._slots[slot], self._slots[slot].last_token
         for i in range(self._draft_heads_depth):

@@ -3,6 +3,8 @@ target's distribution; the scheduler advances each request by what its step acce
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -314,6 +316,28 @@ def test_drafts_that_keep_failing_pause_and_resume():
     verify_steps = sum(1 for drafts in engine.draft_log if drafts)
     assert 0 < verify_steps < len(engine.decode_log) - 6  # paused for at least one spell of 6 steps
     assert result.num_draft_tokens > 0 and result.num_accepted_tokens < result.num_draft_tokens / 2
+
+
+def test_a_paused_request_keeps_its_count_of_dispatched_tokens():
+    """Heads sure of nothing beside prompt lookup that matches: the request is judged on the heads'
+    empty proposals while lookup's drafts are verified, pauses at planning, and its next (plain) steps
+    go out before the verification's result is read. The result must add its extra tokens to the
+    dispatched count, not overwrite the count those steps added: else the request, once its pause
+    ends, waits for ever for a count that never comes (the loop plans nothing)."""
+    tok = FakeTokenizer()
+    engine = MockEngine(num_slots=1, max_seq_len=200, vocab_size=tok.vocab_size, max_draft_tokens=2,
+                        draft_heads_depth=2, heads_unsure=True)  # fmt: skip
+    s = SamplingParams(seed=0, max_tokens=100, stop_token_ids=tok.eos_ids)
+    prompt = _mock_prompt(engine, s, 3, 60)  # lookup drafts the model's next ~60 tokens right
+    spec = SpeculationConfig(method="heads", num_draft_tokens=2, pause_steps=2, min_accepted=1.5)
+    done = threading.Event()
+    outcome = []
+    threading.Thread(target=lambda: (outcome.append(generate(engine, tok, [prompt], [s], speculation=spec)),
+                                     done.set()), daemon=True).start()  # fmt: skip
+    assert done.wait(60), "the serving loop stopped planning"
+    (result,) = outcome[0]
+    assert result.token_ids == engine.reference_tokens(prompt, s)
+    assert result.num_draft_tokens > 0
 
 
 def test_speculation_stops_when_more_requests_decode_than_max_rows():

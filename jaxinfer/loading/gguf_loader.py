@@ -222,23 +222,16 @@ def int4_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, 
     exactly as llama.cpp dequantises it (float16 block scales widen exactly; Q4_K's d * sc and dmin * m
     are products of a float16 and a 6-bit integer, exact in float32)."""
     rows = data.shape[0]
-
-    def f16(raw: np.ndarray) -> np.ndarray:  # [..., 2] bytes -> float32 [...]
-        return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
-
-    def nibbles(qs: np.ndarray) -> np.ndarray:  # [..., 16] -> [..., 32]: low nibbles first, then high
-        return np.concatenate([qs & 15, qs >> 4], axis=-1)
-
     if tensor_type in (Q.Q4_0, Q.Q4_1):
         block = 18 if tensor_type == Q.Q4_0 else 20
         blocks = data.reshape(rows, -1, block)
-        d = f16(blocks[..., 0:2])
-        minimum = -8.0 * d if tensor_type == Q.Q4_0 else f16(blocks[..., 2:4])
-        q = nibbles(blocks[..., block - 16 :])
+        d = _f16(blocks[..., 0:2])
+        minimum = -8.0 * d if tensor_type == Q.Q4_0 else _f16(blocks[..., 2:4])
+        q = _nibbles(blocks[..., block - 16 :])
         return q.reshape(rows, -1), d, minimum
     if tensor_type == Q.Q4_K:
         blocks = data.reshape(rows, -1, 144)
-        d, dmin = f16(blocks[..., 0:2]), f16(blocks[..., 2:4])
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
         packed = blocks[..., 4:16].astype(np.uint8)  # 8 six-bit scales and minimums in 12 bytes
         low, high = packed[..., 0:4], packed[..., 4:8]
         sc = np.concatenate([low & 63, (packed[..., 8:12] & 15) | ((low >> 6) << 4)], axis=-1)
@@ -251,6 +244,16 @@ def int4_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, 
     raise ValueError(f"{tensor_type.name} is not a 4-bit block type ({[t.name for t in INT4_BLOCK_TYPES]})")
 
 
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes of float16 -> float32 [...] (exact)."""
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32]: the low nibbles first, then the high ones (GGUF's 32-weight blocks)."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
 def int5_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A 5-bit GGUF tensor's raw rows uint8 [rows, row bytes] -> (q uint8 [rows, cols] in [0, 31], scale
     float32 [rows, cols / 32], minimum float32 [rows, cols / 32]) with w = q * scale + minimum exactly as
@@ -261,15 +264,12 @@ def int5_blocks(data: np.ndarray, tensor_type) -> tuple[np.ndarray, np.ndarray, 
     rows = data.shape[0]
     block = 22 if tensor_type == Q.Q5_0 else 24
     blocks = data.reshape(rows, -1, block)
-    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
-    if tensor_type == Q.Q5_0:
-        minimum, at = -16.0 * d, 2
-    else:
-        minimum, at = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32), 4
+    d = _f16(blocks[..., 0:2])
+    minimum, at = (-16.0 * d, 2) if tensor_type == Q.Q5_0 else (_f16(blocks[..., 2:4]), 4)
     qh = np.ascontiguousarray(blocks[..., at : at + 4]).view("<u4")[..., 0]  # [rows, blocks]
     fifth = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [rows, blocks, 32]
     qs = blocks[..., at + 4 :]
-    q = np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth << 4)
+    q = _nibbles(qs) | (fifth << 4)
     return q.reshape(rows, -1), d, minimum
 
 

@@ -22,7 +22,9 @@ def _full_logits(loaded, tokens: np.ndarray, attend_len: int, last_only: bool = 
     cache_config = paged_cache_config(1, attend_len)
     cache = init_cache(loaded.config, cache_config, make_mesh())
     t = tokens.shape[1]
-    logits, _ = forward(
+    # One compiled program: run op by op, a real model's forward compiles hundreds of small ones.
+    run = jax.jit(forward, static_argnames="config")
+    logits, _ = run(
         loaded.params, loaded.config, jnp.asarray(tokens, jnp.int32),
         jnp.arange(t, dtype=jnp.int32)[None], cache,
         jnp.asarray(contiguous_page_table(1, cache_config.pages_per_seq)),

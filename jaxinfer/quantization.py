@@ -67,10 +67,12 @@ _quantize_int8 = jax.jit(quantize_int8)
 _quantize_int4 = jax.jit(quantize_int4, static_argnames="group_size")
 
 
-def _consume(quantize: Callable, w: jax.Array, *args, **kwargs):
-    quantized = quantize(w, *args, **kwargs)
-    w.delete()
-    return quantized
+def _consume(convert: Callable, w, *args, **kwargs):
+    """convert(w, ...), then every array of `w` (a weight pytree or an array) freed: the weights are
+    held once, in their new form."""
+    converted = convert(w, *args, **kwargs)
+    jax.tree.map(lambda a: a.delete(), w)
+    return converted
 
 
 def quantize_params(
@@ -171,9 +173,7 @@ def pack_int4_weights(params: Params) -> Params:
     def pack(path, name: str, w):
         five = isinstance(w, Int5Weight)
         if (_is_matrix_int4(w) or five) and int4_matmul_supports(*w.shape):
-            packed = (_pack_int5 if five else _pack_int4)(w, half_scales=exact_in_float16(w))
-            jax.tree.map(lambda a: a.delete(), w)
-            return packed
+            return _consume(_pack_int5 if five else _pack_int4, w, half_scales=exact_in_float16(w))
         return w
 
     return map_weights(params, pack)
@@ -187,11 +187,7 @@ def int5_as_int8(params: Params) -> Params:
     CPU ones, where no kernel reads 5 bits and XLA would dequantise the weight on every call."""
 
     def requantize(path, name: str, w):
-        if isinstance(w, Int5Weight):
-            int8 = _int5_as_int8(w)
-            jax.tree.map(lambda a: a.delete(), w)
-            return int8
-        return w
+        return _consume(_int5_as_int8, w) if isinstance(w, Int5Weight) else w
 
     return map_weights(params, requantize)
 

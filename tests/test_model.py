@@ -16,15 +16,16 @@ from jaxinfer.request import SamplingParams
 from jaxinfer.sharding import make_mesh
 from jaxinfer.testing import paged_cache_config
 
+# One compiled program: run op by op, a real model's forward compiles hundreds of small ones.
+_forward = jax.jit(forward, static_argnames="config")
+
 
 def _full_logits(loaded, tokens: np.ndarray, attend_len: int, last_only: bool = False) -> np.ndarray:
     """Logits of a whole-sequence forward pass (no incremental decode): [1, t, vocab] or [1, vocab]."""
     cache_config = paged_cache_config(1, attend_len)
     cache = init_cache(loaded.config, cache_config, make_mesh())
     t = tokens.shape[1]
-    # One compiled program: run op by op, a real model's forward compiles hundreds of small ones.
-    run = jax.jit(forward, static_argnames="config")
-    logits, _ = run(
+    logits, _ = _forward(
         loaded.params, loaded.config, jnp.asarray(tokens, jnp.int32),
         jnp.arange(t, dtype=jnp.int32)[None], cache,
         jnp.asarray(contiguous_page_table(1, cache_config.pages_per_seq)),

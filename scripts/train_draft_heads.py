@@ -1,13 +1,15 @@
 """Trains draft heads for speculative decoding on text the target model generates itself.
 
     .venv/bin/python scripts/train_draft_heads.py [--model smollm2-135m-instruct] [--prompts 436]
-        [--samples-per-prompt 4] [--max-tokens 256] [--steps 1600] [--out DIR]
+        [--samples-per-prompt 4] [--max-tokens 256] [--steps 1600] [--corpus FILE] [--out DIR]
 
 1. builds the runtime as `jaxinfer generate` would (--quantize auto: the weights the engine serves);
 2. answers the first --prompts of speculation_prompts.TRAINING_PROMPTS with the target itself, 48 at a
    time, --samples-per-prompt answers each: the first greedy, the others at temperature 0.8 (the
-   heads keep learning from more of the model's own text; sampling varies it);
-3. runs the engine's own params and kernels over every prompt + answer once for the hidden states;
+   heads keep learning from more of the model's own text; sampling varies it); with --corpus, the
+   answers are written to FILE, or read from it when it exists (training again skips generating);
+3. runs the engine's own params and kernels over every prompt + answer once for the hidden states and
+   the target's greedy choice at each position (the labels: what greedy verification accepts);
 4. fits the heads (speculation/training.py; prompts held out whole) and saves those of the best
    held-out checkpoint with their metrics to --out (default $JAXINFER_CACHE_DIR/draft_heads/<model>,
    ~/.cache/jaxinfer/draft_heads/<model> without it).
@@ -60,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--freeze-output", action="store_true", help="keep the target's output rows as they are")
     p.add_argument("--holdout-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--corpus", type=Path, help="JSON file of the generated answers: read if it exists, else written"
+    )
     p.add_argument("--out", type=Path, help="default: $JAXINFER_CACHE_DIR/draft_heads/<model>")
     return p.parse_args()
 
@@ -68,19 +73,14 @@ def _log(line: str) -> None:
     print(f"  {line}", flush=True)
 
 
-def main() -> None:
-    args = parse_args()
-    prompts_text = TRAINING_PROMPTS[: args.prompts]
-    start = time.perf_counter()
-    runtime = build_runtime(
-        RuntimeOptions(model=args.model, quantize=args.quantize, num_slots=args.slots, max_len=1024)
-    )
-    engine, tokenizer, config = runtime.engine, runtime.tokenizer, runtime.config
-    model_name = runtime.model_info()["model_name"]
-    load_seconds = time.perf_counter() - start
-    print(f"loaded {model_name} ({runtime.model_info()['quantization']}) in {load_seconds:.1f}s")
-
-    encoded = [tokenizer.encode_chat([{"role": "user", "content": text}]) for text in prompts_text]
+def _generate_corpus(args: argparse.Namespace, runtime, model_name: str) -> dict:
+    """The target's answers to the training prompts: each sequence (prompt + answer), where its answer
+    starts, and its prompt's index (answers to one prompt are held out together)."""
+    tokenizer = runtime.tokenizer
+    encoded = [
+        tokenizer.encode_chat([{"role": "user", "content": text}])
+        for text in TRAINING_PROMPTS[: args.prompts]
+    ]
     sampled_first = set(
         np.random.default_rng(args.seed).permutation(len(encoded))[: round(args.sampled_share * len(encoded))]
     )
@@ -96,7 +96,7 @@ def main() -> None:
             ), tokenizer.eos_ids))  # fmt: skip
     num_sampled = sum(s.temperature > 0 for s in sampling)
     start = time.perf_counter()
-    completions = generate(engine, tokenizer, prompts, sampling)
+    completions = generate(runtime.engine, tokenizer, prompts, sampling)
     generate_seconds = time.perf_counter() - start
     generated = sum(len(c.token_ids) for c in completions)
     print(
@@ -104,23 +104,64 @@ def main() -> None:
         f"sampled at temperature {args.temperature}) in {generate_seconds:.1f}s "
         f"({generated / generate_seconds:.0f} tokens/s)"
     )
+    return {
+        "model": model_name,
+        "prompts": len(encoded),
+        "answers": len(prompts),
+        "sampled_answers": num_sampled,
+        "temperature": args.temperature,
+        "max_tokens": args.max_tokens,
+        "generated_tokens": generated,
+        "generate_seconds": round(generate_seconds, 1),
+        "sequences": [list(c.prompt_token_ids) + list(c.token_ids) for c in completions],
+        "first_output": [len(c.prompt_token_ids) for c in completions],
+        "groups": groups,
+    }
 
-    sequences = [list(c.prompt_token_ids) + list(c.token_ids) for c in completions]
-    first_output = [len(c.prompt_token_ids) for c in completions]
+
+def main() -> None:
+    args = parse_args()
     start = time.perf_counter()
-    hidden = hidden_states(
+    runtime = build_runtime(
+        RuntimeOptions(model=args.model, quantize=args.quantize, num_slots=args.slots, max_len=1024)
+    )
+    engine, config = runtime.engine, runtime.config
+    model_name = runtime.model_info()["model_name"]
+    load_seconds = time.perf_counter() - start
+    print(f"loaded {model_name} ({runtime.model_info()['quantization']}) in {load_seconds:.1f}s")
+
+    if args.corpus is not None and args.corpus.exists():
+        corpus = json.loads(args.corpus.read_text())
+        if corpus["model"] != model_name:
+            raise SystemExit(f"{args.corpus} holds answers of {corpus['model']}, not {model_name}")
+        print(f"read {corpus['generated_tokens']} generated tokens ({len(corpus['sequences'])} answers) "
+              f"from {args.corpus}")  # fmt: skip
+    else:
+        corpus = _generate_corpus(args, runtime, model_name)
+        if args.corpus is not None:
+            args.corpus.write_text(json.dumps(corpus))
+    sequences, first_output, groups = corpus["sequences"], corpus["first_output"], corpus["groups"]
+
+    start = time.perf_counter()
+    hidden, greedy = hidden_states(
         engine.params, config, sequences, engine.kernels, cache_dtype=engine.cache_config.dtype
     )
     hidden_seconds = time.perf_counter() - start
     total = sum(len(s) for s in sequences)
-    print(f"hidden states of {total} positions in {hidden_seconds:.1f}s")
+    # How often an answer's next token is the target's greedy choice: its sampled answers leave that path.
+    same = sum(
+        int(np.sum(np.asarray(s[f:]) == g[f - 1 : -1])) for s, g, f in zip(sequences, greedy, first_output)
+    )
+    answered = sum(len(s) - f for s, f in zip(sequences, first_output))
+    print(f"hidden states of {total} positions in {hidden_seconds:.1f}s; {same / max(answered, 1):.1%} of "
+          "the answers' tokens are the target's greedy choice")  # fmt: skip
 
     start = time.perf_counter()
     heads, metrics = train_heads(
         engine.params, config, sequences, first_output, depth=args.depth, draft_vocab=args.draft_vocab,
         steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
         holdout_fraction=args.holdout_fraction, groups=groups, train_output=not args.freeze_output,
-        hidden=hidden, log=_log,
+        hidden=hidden, labels=greedy, log=_log,
     )  # fmt: skip
     train_seconds = time.perf_counter() - start
     print(f"trained in {train_seconds:.1f}s: {metrics['examples']['train']} examples")
@@ -132,13 +173,7 @@ def main() -> None:
         "quantization": runtime.model_info()["quantization"],
         "kv_cache_dtype": engine.cache_config.dtype,
         "examples": metrics["examples"]["train"],
-        "prompts": len(encoded),
-        "answers": len(prompts),
-        "sampled_answers": num_sampled,
-        "temperature": args.temperature,
-        "max_tokens": args.max_tokens,
-        "generated_tokens": generated,
-        "generate_seconds": round(generate_seconds, 1),
+        **{k: v for k, v in corpus.items() if k not in ("sequences", "first_output", "groups")},
         "hidden_seconds": round(hidden_seconds, 1),
         "train_seconds": round(train_seconds, 1),
         "holdout": metrics["holdout"],

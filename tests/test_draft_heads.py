@@ -14,7 +14,7 @@ import pytest
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.models.params import random_params
-from jaxinfer.models.transformer import forward_hidden
+from jaxinfer.models.transformer import forward_hidden, output_logits
 from jaxinfer.quantization import quantize_params
 from jaxinfer.sharding import make_mesh
 from jaxinfer.speculation.draft_heads import (
@@ -65,11 +65,16 @@ def _pattern_corpus(count: int, seed: int) -> tuple[list[list[int]], list[int], 
     return sequences, first, alphabet
 
 
+def _text_labels(sequences: list[list[int]]) -> list[np.ndarray]:
+    """Labels that make each sequence the target's greedy text: its own next tokens."""
+    return [np.append(np.asarray(seq[1:], np.int32), -1) for seq in sequences]
+
+
 def test_training_learns_a_deterministic_pattern(params):
     sequences, first, alphabet = _pattern_corpus(60, seed=0)
     heads, metrics = train_heads(
         params, TINY, sequences, first, depth=2, draft_vocab=32, steps=250, batch_size=64,
-        learning_rate=1e-2, seed=0, holdout_fraction=0.2,
+        learning_rate=1e-2, seed=0, holdout_fraction=0.2, labels=_text_labels(sequences),
     )  # fmt: skip
     hold = metrics["holdout"]
     assert metrics["examples"]["holdout"] > 50 and hold["examples"] == metrics["examples"]["holdout"]
@@ -82,11 +87,40 @@ def test_training_learns_a_deterministic_pattern(params):
     assert metrics["best_step"] % 25 == 0 and metrics["best_step"] > 0  # a checkpoint every tenth
     # The same split untrained: the accuracy is training's.
     _, untrained = train_heads(
-        params, TINY, sequences, first, depth=2, draft_vocab=32, steps=0, seed=0, holdout_fraction=0.2
-    )
+        params, TINY, sequences, first, depth=2, draft_vocab=32, steps=0, seed=0, holdout_fraction=0.2,
+        labels=_text_labels(sequences),
+    )  # fmt: skip
     assert untrained["examples"] == metrics["examples"] and untrained["holdout"]["accuracy"][0] < 0.3
     # Accepted drafts per step: sum over depths of the chain product, so between acc[0] and the sum.
     assert hold["accuracy"][0] - 1e-6 <= hold["accepted_per_step"] <= sum(hold["accuracy"]) + 1e-6
+    sure = hold["sure"]
+    assert sure["min_probability"] == 0.5 and 0 < sure["accepted_per_step"] <= sure["drafts_per_step"] <= 2
+    assert sure["accepted_per_step"] <= hold["accepted_per_step"] + 1e-6
+
+
+def test_training_learns_the_greedy_choices_of_sampled_text(params):
+    """Sampled answers: a third of the text's tokens are noise, not the pattern the "target" would
+    choose greedily. The heads learn the greedy labels, and the held-out chain counts a right draft at
+    depth 1 only where the text followed the path the first draft took."""
+    sequences, first, alphabet = _pattern_corpus(80, seed=3)
+    rng = np.random.default_rng(4)
+    f = {int(a): int(b) for s in sequences for a, b in zip(s[4:], s[5:])}  # the pattern, from clean text
+    noisy, labels = [], []
+    for seq in sequences:
+        x = list(seq[:5])
+        for _ in seq[5:]:  # each next token: the pattern's choice, or a random alphabet token
+            x.append(f[x[-1]] if rng.random() > 0.35 else int(rng.choice(alphabet)))
+        noisy.append(x)
+        labels.append(np.asarray([f.get(t, -1) for t in x], np.int32))
+    _, metrics = train_heads(
+        params, TINY, noisy, first, depth=2, draft_vocab=32, steps=250, batch_size=64, learning_rate=1e-2,
+        seed=0, holdout_fraction=0.2, labels=labels,
+    )  # fmt: skip
+    hold = metrics["holdout"]
+    assert min(hold["accuracy"]) > 0.8, hold  # against the noisy text itself it could reach ~0.67
+    # Without the cut the chain would be near acc[0] + acc[1]; the text stays on the path ~2/3 of the time.
+    assert hold["accuracy"][0] + 0.4 * hold["accuracy"][1] < hold["accepted_per_step"]
+    assert hold["accepted_per_step"] < hold["accuracy"][0] + 0.8 * hold["accuracy"][1]
 
 
 def test_split_holds_out_whole_groups():
@@ -114,6 +148,14 @@ def test_training_examples_windows_and_mask():
     assert ex.hidden[:, 0].tolist() == [2.0, 3.0]
     assert ex.inputs.tolist() == [[13, 14], [14, 15]]
     assert ex.targets.tolist() == [[0, -1], [-1, 2]]  # 14 -> 0, 15 -> -1, 16 -> 2
+    assert ex.on_path.all()  # the text is its own greedy path
+    # Greedy labels: the target would have said 16 after 13 and 13 after 15; its choice after 14 is 15.
+    greedy = np.asarray([0, 0, 0, 16, 15, 13, 0], np.int32)
+    ex = training_examples([seq], hidden, [3], depth=2, vocab=vocab, labels=[greedy])
+    assert ex.inputs.tolist() == [[13, 14], [14, 15]]  # the text's tokens are still the inputs
+    assert ex.targets.tolist() == [[2, -1], [-1, 1]]  # g[3] = 16, g[4] = 15, g[5] = 13
+    # Depth 1's input x[t+2] against the greedy choice g[t+1]: 14 != 16 (t = 2), 15 == 15 (t = 3).
+    assert ex.on_path.tolist() == [[True, False], [True, True]]
 
 
 def test_propose_agrees_with_unroll_logits(params):
@@ -196,13 +238,14 @@ def test_hidden_states_batched_equal_single(params, cache_dtype):
     rng = np.random.default_rng(7)
     lengths = [5, 64, 65, 17, 1, 150, 70]  # three length buckets, partly filled batches
     sequences = [list(rng.integers(0, TINY.vocab_size, n)) for n in lengths]
-    got = hidden_states(params, TINY, sequences, cache_dtype=cache_dtype, tokens_per_batch=256)
+    got, greedy = hidden_states(params, TINY, sequences, cache_dtype=cache_dtype, tokens_per_batch=256)
     assert [g.shape for g in got] == [(n, TINY.hidden_size) for n in lengths]
+    assert [g.shape for g in greedy] == [(n,) for n in lengths]
     # The reference: each sequence alone in a row of its own, followed by a tail of zero tokens at real
     # positions (causal attention: nothing after a position changes it), one compiled shape.
     width = 160
     cache = init_cache(TINY, paged_cache_config(1, width, page_size=16, dtype=cache_dtype), make_mesh())
-    for seq, g in zip(sequences, got):
+    for seq, g, choice in zip(sequences, got, greedy):
         tokens = jnp.zeros((1, width), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq, jnp.int32))
         x, cache = _forward_hidden(
             params, TINY, tokens, jnp.arange(width, dtype=jnp.int32)[None], cache,
@@ -212,6 +255,13 @@ def test_hidden_states_batched_equal_single(params, cache_dtype):
         # A bfloat16 cache rounds K/V: a last-bit difference of the batched products can flip a rounding.
         tol = 1e-5 if cache_dtype == "float32" else 1e-3
         np.testing.assert_allclose(g, np.asarray(x[0, : len(seq)], np.float32), atol=tol, rtol=tol)
+        logits = np.asarray(output_logits(params, TINY, x[0, : len(seq)]))
+        assert choice.dtype == np.int32
+        # The greedy token at each position, up to near ties of the two runs' last bits.
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        decided = top2[:, 1] - top2[:, 0] > 1e-3
+        assert decided.mean() > 0.9
+        np.testing.assert_array_equal(choice[decided], logits.argmax(-1)[decided])
 
 
 def test_output_rows_float_and_int8():

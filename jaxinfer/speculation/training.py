@@ -1,14 +1,17 @@
 """Training the draft heads (draft_heads.py) on text the target model generated itself.
 
 Why self-generated text: the heads must guess what *this* model will say next, so the best data is the
-model's own output (Medusa-2 and EAGLE train on self-distilled text the same way); with greedy
-verification the teacher-forced chain acceptance on held-out text is then exactly the number of
-drafts the engine would accept per step, given the same hidden states.
+model's own output (Medusa-2 and EAGLE train on self-distilled text the same way). The labels are the
+target's own greedy choices, not the text's next tokens: where an answer was sampled, its next token is
+often not the one greedy verification would accept, and a head trained on it learns the sampler's noise.
+Sampled answers still serve: they put the target in contexts greedy decoding would not reach.
 
-The pipeline: `hidden_states` runs the target once over every whole sequence (prompt + response),
-`training_examples` cuts each response into (h_t, x[t+1..t+depth], x[t+2..t+depth+1]) examples,
+The pipeline: `hidden_states` runs the target once over every whole sequence (prompt + response) for
+its hidden states and greedy next tokens, `training_examples` cuts each response into (h_t,
+x[t+1..t+depth], g[t+1..t+depth]) examples (g[p]: the target's greedy token after position p),
 `train_heads` fits the heads with optax AdamW on the masked cross-entropy of `unroll_logits` and reports
-held-out accuracy per depth and the expected accepted drafts per step.
+held-out accuracy per depth and the expected accepted drafts per step: the teacher-forced chain, cut
+where the text leaves the greedy path, is exactly what greedy verification accepts from those states.
 """
 
 from __future__ import annotations
@@ -29,13 +32,14 @@ from jaxinfer.cpu_kernels.int4_matmul import unpack_int4
 from jaxinfer.kernel_dispatch import embed
 from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.models.params import Params
-from jaxinfer.models.transformer import XLA_KERNELS, forward_hidden
+from jaxinfer.models.transformer import XLA_KERNELS, forward_hidden, output_logits
 from jaxinfer.sharding import make_mesh
 from jaxinfer.speculation.draft_heads import DraftHeads, init_heads, token_features, unroll_logits
 from jaxinfer.weight_formats import PackedInt4Weight
 
 PAGE_SIZE = 64  # positions per page of the throwaway cache (the CPU engine's default)
 TOKENS_PER_BATCH = 4096  # rows x padded length of one forward pass: big products, bounded attention memory
+LOGITS_CHUNK = 512  # positions whose full-vocabulary logits exist at once (Gemma 3: 512 MB in float32)
 EVAL_BATCH = 1024
 
 
@@ -57,7 +61,14 @@ def length_bucket(n: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
 def _forward_hidden(params, config, tokens, positions, cache, page_table, kernels):
-    return forward_hidden(params, config, tokens, positions, cache, page_table, kernels=kernels)
+    """(hidden [b, t, hidden], the greedy next token [b, t] int32, cache): the logits of LOGITS_CHUNK
+    positions at a time, so the full-vocabulary logits of a batch never exist at once."""
+    x, cache = forward_hidden(params, config, tokens, positions, cache, page_table, kernels=kernels)
+    flat = x.reshape(-1, x.shape[-1])
+    pad = -flat.shape[0] % LOGITS_CHUNK
+    chunks = jnp.pad(flat, ((0, pad), (0, 0))).reshape(-1, LOGITS_CHUNK, flat.shape[-1])
+    greedy = jax.lax.map(lambda c: jnp.argmax(output_logits(params, config, c, kernels), axis=-1), chunks)
+    return x, greedy.reshape(-1)[: flat.shape[0]].reshape(x.shape[:-1]).astype(jnp.int32), cache
 
 
 def hidden_states(
@@ -68,20 +79,23 @@ def hidden_states(
     *,
     cache_dtype: str = "float32",
     tokens_per_batch: int = TOKENS_PER_BATCH,
-) -> list[np.ndarray]:
-    """Each sequence's final-normed hidden states [len, hidden] float32, from one causal pass over the
-    whole sequence (forward_hidden with `kernels` and a `cache_dtype` KV cache: pass the engine's own
-    so the heads see the states the engine will hand them).
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(hidden, greedy): each sequence's final-normed hidden states [len, hidden] float32 and the
+    target's greedy next token after each position [len] int32 (the argmax of its logits there), from
+    one causal pass over the whole sequence (forward_hidden with `kernels` and a `cache_dtype` KV cache:
+    pass the engine's own so the heads see the states, and learn the choices, the engine will have).
 
     Sequences of one length bucket run together, a fixed number of rows per bucket (padding rows and
     positions are -1: nothing is written, their outputs are dropped), so every batch reuses one of a
     few compiled programs; the throwaway cache of each bucket is donated from batch to batch.
     """
     out: list[np.ndarray | None] = [None] * len(sequences)
+    greedy: list[np.ndarray | None] = [None] * len(sequences)
     by_bucket: dict[int, list[int]] = {}
     for index, seq in enumerate(sequences):
         if len(seq) == 0:
             out[index] = np.zeros((0, config.hidden_size), np.float32)
+            greedy[index] = np.zeros((0,), np.int32)
         else:
             by_bucket.setdefault(length_bucket(len(seq)), []).append(index)
     mesh = make_mesh()
@@ -101,13 +115,14 @@ def hidden_states(
                 n = len(sequences[index])
                 tokens[r, :n] = sequences[index]
                 positions[r, :n] = np.arange(n)
-            x, cache = _forward_hidden(
+            x, g, cache = _forward_hidden(
                 params, config, jnp.asarray(tokens), jnp.asarray(positions), cache, page_table, kernels
             )
-            x = np.asarray(x.astype(jnp.float32))
+            x, g = np.asarray(x.astype(jnp.float32)), np.asarray(g)
             for r, index in enumerate(batch):
                 out[index] = x[r, : len(sequences[index])]
-    return out  # type: ignore[return-value]
+                greedy[index] = g[r, : len(sequences[index])]
+    return out, greedy  # type: ignore[return-value]
 
 
 def output_rows(params: Params, config: ModelConfig, ids: np.ndarray | jax.Array) -> jax.Array:
@@ -146,11 +161,14 @@ def draft_index(tokens: np.ndarray, vocab: np.ndarray) -> np.ndarray:
 @dataclasses.dataclass
 class Examples:
     """Teacher-forced examples: the head at depth i sees z from `hidden` and token inputs[:, i], and
-    should predict the draft-vocabulary entry targets[:, i] (-1: outside the draft vocabulary)."""
+    should predict the draft-vocabulary entry targets[:, i] (-1: outside the draft vocabulary).
+    on_path[:, i]: inputs[:, i] is the token the draft before it should have been (always for i = 0),
+    so a chain of right drafts reaches depth i in verification only where on_path holds up to i."""
 
     hidden: np.ndarray  # [n, hidden] float32: h_t
     inputs: np.ndarray  # [n, depth] int32 token ids x[t+1 .. t+depth]
-    targets: np.ndarray  # [n, depth] int32 draft-vocabulary indices of x[t+2 .. t+depth+1], or -1
+    targets: np.ndarray  # [n, depth] int32 draft-vocabulary indices of the labels g[t+1 .. t+depth], or -1
+    on_path: np.ndarray  # [n, depth] bool: x[t+1+i] == g[t+i] for i >= 1
 
     def __len__(self) -> int:
         return len(self.hidden)
@@ -162,26 +180,30 @@ def training_examples(
     first_output_index: Sequence[int],
     depth: int,
     vocab: np.ndarray,
+    labels: Sequence[np.ndarray] | None = None,
 ) -> Examples:
     """One example per position t of each sequence from first_output_index - 1 on (the states whose
-    next token the model generated) whose next depth + 1 tokens exist."""
-    parts_h, parts_in, parts_out = [], [], []
-    offsets = np.arange(depth + 1)
-    for seq, h, first in zip(sequences, hidden, first_output_index):
+    next token the model generated) whose next depth + 1 tokens exist. labels[i][p]: the token a draft
+    for the position after p should be, the target's greedy choice there (hidden_states); default the
+    text's own next token, for text that is the target's greedy output."""
+    parts_h, parts_in, parts_out, parts_path = [], [], [], []
+    offsets = np.arange(depth)
+    for index, (seq, h, first) in enumerate(zip(sequences, hidden, first_output_index)):
         x = np.asarray(seq, np.int32)
+        g = np.append(x[1:], -1) if labels is None else np.asarray(labels[index], np.int32)
         start, stop = max(first - 1, 0), len(x) - depth - 1  # t in [start, stop)
         if stop <= start:
             continue
-        t = np.arange(start, stop)
-        window = x[t[:, None] + 1 + offsets]  # [n, depth + 1]: x[t+1 .. t+depth+1]
+        t = np.arange(start, stop)[:, None] + offsets  # [n, depth]
         parts_h.append(np.asarray(h[start:stop], np.float32))
-        parts_in.append(window[:, :depth])
-        parts_out.append(draft_index(window[:, 1:], vocab))
+        parts_in.append(x[t + 1])
+        parts_out.append(draft_index(g[t + 1], vocab))
+        parts_path.append((x[t + 1] == g[t]) | (offsets == 0))
     if not parts_h:
         width = hidden[0].shape[-1] if len(hidden) else 0
         empty = np.zeros((0, depth), np.int32)
-        return Examples(np.zeros((0, width), np.float32), empty, empty.copy())
-    return Examples(np.concatenate(parts_h), np.concatenate(parts_in), np.concatenate(parts_out))
+        return Examples(np.zeros((0, width), np.float32), empty, empty.copy(), np.zeros((0, depth), bool))
+    return Examples(*(np.concatenate(p) for p in (parts_h, parts_in, parts_out, parts_path)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -219,22 +241,26 @@ def _train_step(optimizer, trained, opt_state, fixed, hidden, table, inputs, tar
     return optax.apply_updates(trained, updates), opt_state, loss
 
 
-@jax.jit
-def _eval_batch(trained, fixed, hidden, table, inputs, targets, weight):
-    """Sums over a batch: (loss numerator, valid targets, correct drafts per depth [depth],
-    accepted drafts), each example counted `weight` (0 for padding)."""
+@functools.partial(jax.jit, static_argnames=("min_probability",))
+def _eval_batch(trained, fixed, hidden, table, inputs, targets, on_path, weight, min_probability):
+    """Sums over a batch: (loss numerator, valid targets, correct drafts per depth [depth], accepted
+    drafts, drafts sure at `min_probability`, accepted sure drafts), each example counted `weight`
+    (0 for padding)."""
     logits = _logits(trained, fixed, hidden, table, inputs)
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
-    nll = jax.nn.logsumexp(logits, axis=-1) - picked
+    lse = jax.nn.logsumexp(logits, axis=-1)
     correct = (jnp.argmax(logits, axis=-1) == targets) & valid  # a target outside is never drafted
-    chain = jnp.cumprod(correct.astype(jnp.float32), axis=-1)  # drafts accepted up to depth i
+    chain = jnp.cumprod(correct & on_path, axis=-1)  # drafts accepted up to depth i
+    sure = jnp.cumprod(jnp.max(logits, axis=-1) - lse >= math.log(max(min_probability, 1e-30)), axis=-1)
     w = weight[:, None]
     return (
-        jnp.sum(jnp.where(valid, nll, 0.0) * w),
+        jnp.sum(jnp.where(valid, lse - picked, 0.0) * w),
         jnp.sum(valid * w),
         jnp.sum(correct * w, axis=0),
         jnp.sum(chain * w),
+        jnp.sum(sure * w),
+        jnp.sum(sure * chain * w),
     )
 
 
@@ -244,30 +270,40 @@ def _padded(a: np.ndarray, fill) -> jax.Array:
     return jnp.asarray(np.concatenate([a, pad]))
 
 
-def evaluate(trained, fixed, table, examples: Examples, feature_index: np.ndarray) -> dict:
+def evaluate(
+    trained, fixed, table, examples: Examples, feature_index: np.ndarray, min_probability: float = 0.5
+) -> dict:
     """Teacher-forced metrics: loss, top-1 accuracy per depth (a target outside the draft vocabulary
-    counts as missed), the share of targets inside it, and the mean accepted drafts per step under
-    greedy chain acceptance (sum over depths of the product of correctness so far)."""
+    counts as missed), the share of targets inside it, the mean accepted drafts per step under greedy
+    chain acceptance (sum over depths of the product of correctness so far, cut where the text leaves
+    the greedy path), and with drafts cut at the first one below `min_probability` (as the engine
+    drafts, SpeculationConfig.draft_min_probability) the drafts and accepted drafts per step."""
     n, depth = len(examples), examples.inputs.shape[1]
     if n == 0:
         return {"examples": 0}
-    totals = [0.0, 0.0, np.zeros(depth), 0.0]
+    totals = [0.0, 0.0, np.zeros(depth), 0.0, 0.0, 0.0]
     for start in range(0, n, EVAL_BATCH):
         rows = slice(start, min(start + EVAL_BATCH, n))
         weight = _padded(np.ones(n, np.float32)[rows], 0)
         sums = _eval_batch(
             trained, fixed, _padded(examples.hidden[rows], 0), table, _padded(feature_index[rows], 0),
-            _padded(examples.targets[rows], -1), weight,
+            _padded(examples.targets[rows], -1), _padded(examples.on_path[rows], False), weight,
+            min_probability,
         )  # fmt: skip
         for i, s in enumerate(sums):
             totals[i] = totals[i] + np.asarray(s, np.float64)
-    loss_sum, valid, correct, accepted = totals
+    loss_sum, valid, correct, accepted, sure, sure_accepted = totals
     return {
         "examples": n,
         "loss": float(loss_sum / max(valid, 1.0)),
         "in_draft_vocab": float(valid / (n * depth)),
         "accuracy": [round(float(c / n), 4) for c in correct],
         "accepted_per_step": float(accepted / n),
+        "sure": {
+            "min_probability": min_probability,
+            "drafts_per_step": float(sure / n),
+            "accepted_per_step": float(sure_accepted / n),
+        },
     }
 
 
@@ -304,6 +340,7 @@ def train_heads(
     holdout_fraction: float = 0.1,
     groups: Sequence[int] | None = None,
     hidden: Sequence[np.ndarray] | None = None,
+    labels: Sequence[np.ndarray] | None = None,
     kernels: KernelConfig = XLA_KERNELS,
     cache_dtype: str = "float32",
     log: Callable[[str], None] | None = None,
@@ -311,9 +348,10 @@ def train_heads(
     """Fits draft heads of `depth` over a `draft_vocab`-token draft vocabulary to `sequences` (prompt +
     the target's own response, the response starting at first_output_index[i]).
 
-    hidden: the sequences' hidden states when already computed (hidden_states), else computed here with
-    `kernels` and `cache_dtype`. train_output=False keeps the output rows at the target's own (fewer
-    parameters to fit; on SmolLM2 it generalised no better). The draft vocabulary and the training
+    hidden, labels: the sequences' hidden states and greedy next tokens when already computed
+    (hidden_states), else computed here with `kernels` and `cache_dtype`; the heads learn the labels
+    (-1: none). train_output=False keeps the output rows at the target's own (fewer parameters to fit; on
+    SmolLM2 it generalised no better). The draft vocabulary and the training
     examples come from the training split; `holdout_fraction` of the sequences (of the `groups`, when
     given: sequence i belongs to group groups[i], e.g. several answers to one prompt) measure the result.
     The heads returned are those of the checkpoint (every tenth of the steps) that accepted the most
@@ -324,18 +362,22 @@ def train_heads(
     """
     if len(sequences) != len(first_output_index):
         raise ValueError(f"{len(sequences)=} but {len(first_output_index)=}")
-    if hidden is None:
-        hidden = hidden_states(params, config, sequences, kernels, cache_dtype=cache_dtype)
+    if hidden is None or labels is None:
+        computed = hidden_states(params, config, sequences, kernels, cache_dtype=cache_dtype)
+        hidden = computed[0] if hidden is None else hidden
+        labels = computed[1] if labels is None else labels
     train_ids, hold_ids = split_sequences(len(sequences), holdout_fraction, seed, groups)
 
     def pick(ids: np.ndarray) -> tuple[list, list, list]:
         return [sequences[i] for i in ids], [hidden[i] for i in ids], [first_output_index[i] for i in ids]
 
     train_seqs, train_hidden, train_first = pick(train_ids)
-    responses = [seq[first:] for seq, first in zip(train_seqs, train_first)]
-    vocab = draft_vocabulary(responses, config.vocab_size, draft_vocab)
-    train = training_examples(train_seqs, train_hidden, train_first, depth, vocab)
-    holdout = training_examples(*pick(hold_ids), depth, vocab)
+    train_labels = [labels[i] for i in train_ids]
+    # The draft vocabulary: the target's most frequent greedy choices in the answers.
+    answers = [g[first - 1 :][g[first - 1 :] >= 0] for g, first in zip(train_labels, train_first)]
+    vocab = draft_vocabulary(answers, config.vocab_size, draft_vocab)
+    train = training_examples(train_seqs, train_hidden, train_first, depth, vocab, train_labels)
+    holdout = training_examples(*pick(hold_ids), depth, vocab, [labels[i] for i in hold_ids])
     if len(train) == 0:
         raise ValueError(f"no training examples: every response is shorter than {depth + 2} tokens")
 
@@ -397,7 +439,9 @@ def train_heads(
     losses_np = np.asarray(jnp.stack(losses)) if losses else np.zeros(0)
 
     sample = np.random.default_rng(seed + 2).permutation(len(train))[:4096]
-    train_sample = Examples(train.hidden[sample], train.inputs[sample], train.targets[sample])
+    train_sample = Examples(
+        train.hidden[sample], train.inputs[sample], train.targets[sample], train.on_path[sample]
+    )
     metrics = {
         "depth": depth,
         "draft_vocab": int(len(vocab)),

@@ -34,6 +34,7 @@ from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.models.params import Params
 from jaxinfer.models.transformer import XLA_KERNELS, forward_hidden, output_logits
 from jaxinfer.sharding import make_mesh
+from jaxinfer.speculation.config import SpeculationConfig
 from jaxinfer.speculation.draft_heads import DraftHeads, init_heads, token_features, unroll_logits
 from jaxinfer.weight_formats import PackedInt4Weight
 
@@ -271,7 +272,12 @@ def _padded(a: np.ndarray, fill) -> jax.Array:
 
 
 def evaluate(
-    trained, fixed, table, examples: Examples, feature_index: np.ndarray, min_probability: float = 0.5
+    trained,
+    fixed,
+    table,
+    examples: Examples,
+    feature_index: np.ndarray,
+    min_probability: float = SpeculationConfig.draft_min_probability,
 ) -> dict:
     """Teacher-forced metrics: loss, top-1 accuracy per depth (a target outside the draft vocabulary
     counts as missed), the share of targets inside it, the mean accepted drafts per step under greedy

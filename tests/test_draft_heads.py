@@ -134,16 +134,16 @@ def test_split_holds_out_whole_groups():
 
 
 def test_draft_vocabulary_orders_by_frequency():
-    vocab = draft_vocabulary([[5, 5, 3, 9], [3, 5, 9, 9, 9]], vocab_size=12, size=5)
+    vocab = draft_vocabulary([[5, 5, 3, 9, -1], [3, 5, 9, 9, 9]], vocab_size=12, size=5)
     assert vocab.dtype == np.int32
-    assert vocab.tolist() == [9, 5, 3, 0, 1]  # 9 x4, 5 x3, 3 x2, then unseen ids by id
+    assert vocab.tolist() == [9, 5, 3, 0, 1]  # 9 x4, 5 x3, 3 x2, then unseen ids by id; -1 is no token
 
 
 def test_training_examples_windows_and_mask():
     seq = [10, 11, 12, 13, 14, 15, 16]  # response from index 3 on
     hidden = [np.arange(7, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)]
     vocab = np.asarray([14, 13, 16], np.int32)  # 15 is outside the draft vocabulary
-    ex = training_examples([seq], hidden, [3], depth=2, vocab=vocab)
+    ex = training_examples([seq], hidden, _text_labels([seq]), [3], depth=2, vocab=vocab)
     # t from 2 (first - 1) while t + 3 < 7: t = 2, 3
     assert ex.hidden[:, 0].tolist() == [2.0, 3.0]
     assert ex.inputs.tolist() == [[13, 14], [14, 15]]
@@ -151,7 +151,7 @@ def test_training_examples_windows_and_mask():
     assert ex.on_path.all()  # the text is its own greedy path
     # Greedy labels: the target would have said 16 after 13 and 13 after 15; its choice after 14 is 15.
     greedy = np.asarray([0, 0, 0, 16, 15, 13, 0], np.int32)
-    ex = training_examples([seq], hidden, [3], depth=2, vocab=vocab, labels=[greedy])
+    ex = training_examples([seq], hidden, [greedy], [3], depth=2, vocab=vocab)
     assert ex.inputs.tolist() == [[13, 14], [14, 15]]  # the text's tokens are still the inputs
     assert ex.targets.tolist() == [[2, -1], [-1, 1]]  # g[3] = 16, g[4] = 15, g[5] = 13
     # Depth 1's input x[t+2] against the greedy choice g[t+1]: 14 != 16 (t = 2), 15 == 15 (t = 3).

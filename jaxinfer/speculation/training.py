@@ -142,10 +142,12 @@ def output_rows(params: Params, config: ModelConfig, ids: np.ndarray | jax.Array
 
 
 def draft_vocabulary(sequences: Sequence[Sequence[int]], vocab_size: int, size: int) -> np.ndarray:
-    """The `size` most frequent token ids of `sequences`, most frequent first (ties by id), int32; tokens
-    that never occur fill the rest by id when the text has fewer distinct ones."""
+    """The `size` most frequent token ids of `sequences` (-1, no token, not counted), most frequent first
+    (ties by id), int32; tokens that never occur fill the rest by id when the text has fewer distinct
+    ones."""
     size = min(size, vocab_size)
     text = np.concatenate([np.asarray(seq, np.int64).ravel() for seq in sequences] or [np.zeros(0, np.int64)])
+    text = text[text >= 0]
     counts = np.bincount(text, minlength=vocab_size)[:vocab_size]
     order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
     return order[:size].astype(np.int32)
@@ -178,20 +180,18 @@ class Examples:
 def training_examples(
     sequences: Sequence[Sequence[int]],
     hidden: Sequence[np.ndarray],
+    labels: Sequence[np.ndarray],
     first_output_index: Sequence[int],
     depth: int,
     vocab: np.ndarray,
-    labels: Sequence[np.ndarray] | None = None,
 ) -> Examples:
     """One example per position t of each sequence from first_output_index - 1 on (the states whose
     next token the model generated) whose next depth + 1 tokens exist. labels[i][p]: the token a draft
-    for the position after p should be, the target's greedy choice there (hidden_states); default the
-    text's own next token, for text that is the target's greedy output."""
+    for the position after p should be, the target's greedy choice there (hidden_states), -1 for none."""
     parts_h, parts_in, parts_out, parts_path = [], [], [], []
     offsets = np.arange(depth)
-    for index, (seq, h, first) in enumerate(zip(sequences, hidden, first_output_index)):
-        x = np.asarray(seq, np.int32)
-        g = np.append(x[1:], -1) if labels is None else np.asarray(labels[index], np.int32)
+    for seq, h, g, first in zip(sequences, hidden, labels, first_output_index):
+        x, g = np.asarray(seq, np.int32), np.asarray(g, np.int32)
         start, stop = max(first - 1, 0), len(x) - depth - 1  # t in [start, stop)
         if stop <= start:
             continue
@@ -374,16 +374,15 @@ def train_heads(
         labels = computed[1] if labels is None else labels
     train_ids, hold_ids = split_sequences(len(sequences), holdout_fraction, seed, groups)
 
-    def pick(ids: np.ndarray) -> tuple[list, list, list]:
-        return [sequences[i] for i in ids], [hidden[i] for i in ids], [first_output_index[i] for i in ids]
+    def pick(ids: np.ndarray) -> tuple[list, list, list, list]:
+        return tuple([column[i] for i in ids] for column in (sequences, hidden, labels, first_output_index))
 
-    train_seqs, train_hidden, train_first = pick(train_ids)
-    train_labels = [labels[i] for i in train_ids]
+    train_split = pick(train_ids)
     # The draft vocabulary: the target's most frequent greedy choices in the answers.
-    answers = [g[first - 1 :][g[first - 1 :] >= 0] for g, first in zip(train_labels, train_first)]
+    answers = [g[first - 1 :] for g, first in zip(train_split[2], train_split[3])]
     vocab = draft_vocabulary(answers, config.vocab_size, draft_vocab)
-    train = training_examples(train_seqs, train_hidden, train_first, depth, vocab, train_labels)
-    holdout = training_examples(*pick(hold_ids), depth, vocab, [labels[i] for i in hold_ids])
+    train = training_examples(*train_split, depth, vocab)
+    holdout = training_examples(*pick(hold_ids), depth, vocab)
     if len(train) == 0:
         raise ValueError(f"no training examples: every response is shorter than {depth + 2} tokens")
 

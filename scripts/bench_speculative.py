@@ -34,7 +34,7 @@ from jaxinfer.cpu_kernels.native_build import cpu_description  # noqa: E402
 from jaxinfer.generate import generate  # noqa: E402
 from jaxinfer.request import SamplingParams, with_eos  # noqa: E402
 from jaxinfer.runtime import RuntimeOptions, build_runtime  # noqa: E402
-from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod  # noqa: E402
+from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod, min_probabilities  # noqa: E402
 
 
 def run(runtime, prompts, sampling, speculation):
@@ -86,8 +86,8 @@ def main() -> None:
     ap.add_argument("--chat-prompts", type=int, default=4, help="one-stream chat prompts, run one at a time")
     ap.add_argument("--draft-heads", default=None)
     ap.add_argument(
-        "--draft-min-probability", type=float, default=SpeculationConfig.draft_min_probability,
-        help="heads draft while their guess is at least this likely",
+        "--draft-min-probability", type=min_probabilities, default=SpeculationConfig.draft_min_probability,
+        help="heads draft while their guess is at least this likely (per depth, comma-separated)",
     )  # fmt: skip
     ap.add_argument(
         "--crossover", type=int, nargs="*", default=None,

@@ -17,6 +17,7 @@ from jaxinfer.models.params import random_params
 from jaxinfer.models.transformer import forward_hidden, output_logits
 from jaxinfer.quantization import quantize_params
 from jaxinfer.sharding import make_mesh
+from jaxinfer.speculation.config import SpeculationConfig, depth_threshold, min_probabilities
 from jaxinfer.speculation.draft_heads import (
     init_heads,
     load_heads,
@@ -94,7 +95,8 @@ def test_training_learns_a_deterministic_pattern(params):
     # Accepted drafts per step: sum over depths of the chain product, so between acc[0] and the sum.
     assert hold["accuracy"][0] - 1e-6 <= hold["accepted_per_step"] <= sum(hold["accuracy"]) + 1e-6
     sure = hold["sure"]
-    assert sure["min_probability"] == 0.5 and 0 < sure["accepted_per_step"] <= sure["drafts_per_step"] <= 2
+    assert sure["min_probability"] == list(SpeculationConfig.draft_min_probability)
+    assert 0 < sure["accepted_per_step"] <= sure["drafts_per_step"] <= 2
     assert sure["accepted_per_step"] <= hold["accepted_per_step"] + 1e-6
 
 
@@ -209,6 +211,25 @@ def test_propose_drafts_only_while_its_heads_are_sure(params):
         want = np.full((rows, 3), -1)
         want[row] = sure[row]
         np.testing.assert_array_equal(np.asarray(alone), want)
+
+    # A threshold per depth (the last holds past the list): the chain stops at the first draft below
+    # its own depth's threshold.
+    low, high = float(np.quantile(top, 0.25)), float(np.quantile(top, 0.75))
+    per_depth = np.asarray(propose(heads, params, TINY, hidden, token, 3, min_probability=(low, high)))
+    kept = np.cumprod(top >= np.array([low, high, high]), axis=1).astype(bool)
+    np.testing.assert_array_equal(per_depth, np.where(kept, every, -1))
+    assert len(set(kept.sum(axis=1).tolist())) >= 3
+
+
+def test_min_probabilities_per_depth():
+    assert min_probabilities(0.5) == (0.5,)
+    assert min_probabilities("0.25,0.65") == (0.25, 0.65)
+    assert min_probabilities([0, 0.9]) == (0.0, 0.9)
+    assert [depth_threshold((0.25, 0.65), d) for d in range(4)] == [0.25, 0.65, 0.65, 0.65]
+    assert SpeculationConfig(draft_min_probability=0.3).draft_min_probability == (0.3,)
+    for bad in (1.0, "0.2,-0.1", (), "x"):
+        with pytest.raises(ValueError):
+            min_probabilities(bad)
 
 
 def test_save_and_load_round_trip(tmp_path, params):

@@ -169,10 +169,10 @@ def test_greedy_speculation_gives_the_plain_tokens(config, method):
 
 def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
     """Heads that draft only what they are sure of: steps verify the narrowest width bucket holding
-    their longest row of drafts (none: a one-token step that proposes), every width was warmed up,
-    and greedy output is still the plain output."""
+    their longest row of drafts (none: a one-token step that proposes; every width up to 4 is a
+    bucket), every width was warmed up, and greedy output is still the plain output."""
     engine = _engine(LLAMA, 4, heads=True, draft_min_probability=0.9, out_scale=8.0)
-    assert engine._verify_widths == (0, 1, 2, 4)
+    assert engine._verify_widths == (0, 1, 2, 3, 4)
     engine.warmup(prompt_lengths=[9, 14], max_new_tokens=40)
     compiled = engine.compile_count
     widths = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 
 class SpeculativeMethod(enum.StrEnum):
@@ -28,8 +29,9 @@ class SpeculationConfig:
         accepted none: the heads cost the step their time.
     ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
     draft_min_probability: draft heads draft while their guess is at least this likely under them
-        (draft_heads.propose): on CPU a verified position costs a sixth to a third of a step, so a
-        draft the target takes less than about half the time does not pay (docs/benchmarks.md).
+        (draft_heads.propose), one threshold per depth (the last for every deeper draft): on CPU a
+        verified position costs more the more positions a step verifies (a first draft ~8% of a step,
+        a second ~20%), so a first draft pays at ~25% and a second needs ~65% (docs/benchmarks.md).
     """
 
     method: SpeculativeMethod = SpeculativeMethod.OFF
@@ -39,15 +41,30 @@ class SpeculationConfig:
     pause_steps: int = 16
     ngram_max: int = 4
     ngram_min: int = 2
-    draft_min_probability: float = 0.5
+    draft_min_probability: tuple[float, ...] = (0.25, 0.65, 0.5)
 
     def __post_init__(self):
         object.__setattr__(self, "method", SpeculativeMethod(self.method))
+        object.__setattr__(self, "draft_min_probability", min_probabilities(self.draft_min_probability))
         if self.num_draft_tokens < 1 or self.max_rows < 1 or self.pause_steps < 0:
             raise ValueError(
                 f"{self.num_draft_tokens=}, {self.max_rows=} must be >= 1, {self.pause_steps=} >= 0"
             )
-        if not 0.0 <= self.draft_min_probability < 1.0:
-            raise ValueError(f"draft_min_probability={self.draft_min_probability} must be in [0, 1)")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min={self.ngram_min} <= ngram_max={self.ngram_max}")
+
+
+def min_probabilities(value: float | str | Sequence[float]) -> tuple[float, ...]:
+    """Per-depth draft thresholds from a number, a sequence or a comma-separated string ("0.25,0.65"),
+    each in [0, 1); ValueError otherwise."""
+    if isinstance(value, str):
+        value = [float(part) for part in value.split(",")]
+    values = (float(value),) if isinstance(value, int | float) else tuple(float(v) for v in value)
+    if not values or not all(0.0 <= v < 1.0 for v in values):
+        raise ValueError(f"draft_min_probability={value} must be one or more values in [0, 1)")
+    return values
+
+
+def depth_threshold(thresholds: Sequence[float], depth: int) -> float:
+    """The threshold of the draft at `depth` (0-based): the last one for drafts past the list."""
+    return thresholds[min(depth, len(thresholds) - 1)]

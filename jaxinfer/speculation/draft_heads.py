@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -34,6 +35,7 @@ from jaxinfer.kernel_dispatch import linear
 from jaxinfer.models.params import Params
 from jaxinfer.models.transformer import XLA_KERNELS, embed_tokens, rms_norm
 from jaxinfer.quantization import add_vnni
+from jaxinfer.speculation.config import depth_threshold, min_probabilities
 from jaxinfer.weight_formats import quantize_int8
 
 HEADS_FILE = "draft_heads.json"
@@ -112,16 +114,18 @@ def propose(
     token: jax.Array,  # [rows] int32: each row's last output token
     num_drafts: int,
     kernels: KernelConfig = XLA_KERNELS,
-    min_probability: float = 0.0,
+    min_probability: float | Sequence[float] = 0.0,
     drafting: jax.Array | None = None,  # [rows] bool: the rows that draft (default: all)
 ) -> jax.Array:
     """Greedy drafts [rows, num_drafts] int32 for the positions after `token`, -1 from the first draft
-    whose probability under its head falls below `min_probability`: a row drafts only what its heads
-    are sure of, so an unsure step verifies few positions or none (a verification costs more per
-    position it runs; the engine picks the narrowest width that holds the batch's drafts).
+    whose probability under its head falls below `min_probability` (a threshold per depth, the last
+    for every deeper draft: config.min_probabilities): a row drafts only what its heads are sure of,
+    so an unsure step verifies few positions or none (a verification costs more per position it runs;
+    the engine picks the narrowest width that holds the batch's drafts).
 
     A head runs only while some drafting row is still sure: a step where no row drafts with the heads
     (prompt lookup, or speculation paused) or whose heads doubt early skips the rest of them."""
+    thresholds = min_probabilities(min_probability)
     sure = jnp.ones(token.shape, bool) if drafting is None else drafting
     drafts = jnp.full((*token.shape, num_drafts), -1, jnp.int32)
 
@@ -129,9 +133,10 @@ def propose(
         z, token, sure, drafts = carry
         z, logits = head_step(heads, i, z, token_features(params, config, token), kernels)
         best = jnp.argmax(logits, axis=-1)
-        if min_probability > 0:
+        threshold = depth_threshold(thresholds, i)
+        if threshold > 0:
             top = jnp.take_along_axis(logits, best[:, None], axis=-1)[:, 0]
-            sure &= top - jax.nn.logsumexp(logits, axis=-1) >= math.log(min_probability)
+            sure &= top - jax.nn.logsumexp(logits, axis=-1) >= math.log(threshold)
         token = heads.vocab[best].astype(jnp.int32)
         return z, token, sure, drafts.at[:, i].set(jnp.where(sure, token, -1))
 

@@ -34,7 +34,7 @@ from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.models.params import Params
 from jaxinfer.models.transformer import XLA_KERNELS, forward_hidden, output_logits
 from jaxinfer.sharding import make_mesh
-from jaxinfer.speculation.config import SpeculationConfig
+from jaxinfer.speculation.config import SpeculationConfig, depth_threshold, min_probabilities
 from jaxinfer.speculation.draft_heads import DraftHeads, init_heads, token_features, unroll_logits
 from jaxinfer.weight_formats import PackedInt4Weight
 
@@ -253,7 +253,10 @@ def _eval_batch(trained, fixed, hidden, table, inputs, targets, on_path, weight,
     lse = jax.nn.logsumexp(logits, axis=-1)
     correct = (jnp.argmax(logits, axis=-1) == targets) & valid  # a target outside is never drafted
     chain = jnp.cumprod(correct & on_path, axis=-1)  # drafts accepted up to depth i
-    sure = jnp.cumprod(jnp.max(logits, axis=-1) - lse >= math.log(max(min_probability, 1e-30)), axis=-1)
+    log_thresholds = jnp.log(jnp.asarray(
+        [max(depth_threshold(min_probability, i), 1e-30) for i in range(logits.shape[1])]
+    ))  # fmt: skip
+    sure = jnp.cumprod(jnp.max(logits, axis=-1) - lse >= log_thresholds, axis=-1)
     w = weight[:, None]
     return (
         jnp.sum(jnp.where(valid, lse - picked, 0.0) * w),
@@ -277,13 +280,14 @@ def evaluate(
     table,
     examples: Examples,
     feature_index: np.ndarray,
-    min_probability: float = SpeculationConfig.draft_min_probability,
+    min_probability: float | Sequence[float] = SpeculationConfig.draft_min_probability,
 ) -> dict:
     """Teacher-forced metrics: loss, top-1 accuracy per depth (a target outside the draft vocabulary
     counts as missed), the share of targets inside it, the mean accepted drafts per step under greedy
     chain acceptance (sum over depths of the product of correctness so far, cut where the text leaves
-    the greedy path), and with drafts cut at the first one below `min_probability` (as the engine
-    drafts, SpeculationConfig.draft_min_probability) the drafts and accepted drafts per step."""
+    the greedy path), and with drafts cut at the first one below `min_probability` (per depth, as the
+    engine drafts: SpeculationConfig.draft_min_probability) the drafts and accepted drafts per step."""
+    min_probability = min_probabilities(min_probability)
     n, depth = len(examples), examples.inputs.shape[1]
     if n == 0:
         return {"examples": 0}
@@ -306,7 +310,7 @@ def evaluate(
         "accuracy": [round(float(c / n), 4) for c in correct],
         "accepted_per_step": float(accepted / n),
         "sure": {
-            "min_probability": min_probability,
+            "min_probability": list(min_probability),
             "drafts_per_step": float(sure / n),
             "accepted_per_step": float(sure_accepted / n),
         },

@@ -106,7 +106,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     p.add_argument(
         "--draft-min-probability", type=min_probabilities, default=SpeculationConfig.draft_min_probability,
         help="draft heads draft while their guess is at least this likely: one value, or one per depth "
-        "(comma-separated; the last holds for deeper drafts)",
+        "(comma-separated; the last holds for deeper drafts); default %(default)s",
     )  # fmt: skip
 
 

@@ -439,10 +439,10 @@ class JaxEngine(api.Engine):
         self._num_draft_tokens = num_draft_tokens
         self._draft_min_probability = min_probabilities(draft_min_probability)
         # Verification widths (drafts per row): a step verifies the narrowest that holds its longest row
-        # of drafts, since each position costs every row of the step: every width up to 4 (on CPU three
-        # drafts cost ~12% more at width 4 than at width 3, where a program is compiled once), powers
-        # of two past it. Width 0 runs one token per row and only lets the heads propose (a step after
-        # one whose heads were unsure of everything).
+        # of drafts, since each position costs every row of the step: every width up to 4, powers of two
+        # past it (on CPU three drafts cost ~12% more at width 4 than at width 3, every step; the extra
+        # program compiles once). Width 0 runs one token per row and only lets the heads propose (a step
+        # after one whose heads were unsure of everything).
         self._verify_widths: tuple[int, ...] = ()
         if num_draft_tokens:
             widths = {*range(1, min(num_draft_tokens, 4) + 1), *power_of_two_buckets(1, num_draft_tokens)}

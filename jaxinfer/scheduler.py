@@ -54,7 +54,7 @@ from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
 from jaxinfer.request import FinishReason, RequestError, SamplingParams
 from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod
-from jaxinfer.speculation.ngram import propose_ngram
+from jaxinfer.speculation.ngram import NgramIndex
 from jaxinfer.structured_output import GrammarCompiler, Matcher, allow_all
 
 
@@ -152,6 +152,7 @@ class SequenceState:
     speculation_paused: int = 0
     next_pause: int = 0  # the length of the next pause: doubles while drafting keeps failing
     drafting_steps: int = 0  # steps judged since drafting began or last resumed
+    lookup: NgramIndex | None = None  # prompt lookup over all_token_ids, made at its first draft
 
     @property
     def is_live(self) -> bool:
@@ -597,7 +598,10 @@ class Scheduler:
         k = min(config.num_draft_tokens, seq.sampling.num_draft_tokens or config.num_draft_tokens, room)
         if k <= 0:
             return []
-        looked_up = propose_ngram(seq.all_token_ids, k, config.ngram_max, config.ngram_min)
+        if seq.lookup is None:
+            seq.lookup = NgramIndex(config.ngram_max, config.ngram_min, seq.prompt_token_ids)
+        seq.lookup.extend(seq.output_token_ids[len(seq.lookup) - len(seq.prompt_token_ids) :])
+        looked_up = seq.lookup.propose(k)
         if self._method(seq) is SpeculativeMethod.HEADS and not looked_up:
             # Prompt lookup first: where the text repeats its context its drafts are right more often
             # than the heads'. Else the heads' sure drafts, up to the first -1.

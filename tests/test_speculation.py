@@ -21,7 +21,7 @@ from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
 from jaxinfer.scheduler import Scheduler, SequenceState
 from jaxinfer.speculation.config import SpeculationConfig
 from jaxinfer.speculation.draft_heads import init_heads
-from jaxinfer.speculation.ngram import propose_ngram
+from jaxinfer.speculation.ngram import NgramIndex
 from jaxinfer.structured_output import ALLOW_ALL, mask_words
 from jaxinfer.testing import FakeTokenizer, IdTokenizer, MockEngine, paged_cache_config
 from tests.test_engine import GEMMA, LLAMA
@@ -42,10 +42,38 @@ def _settings(n: int, temperature: float, top_k: int = 0, top_p: float = 1.0, se
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
     tokens = [5, 6, 7, 8, 1, 2, 5, 6, 7, 9, 3, 5, 6, 7]
-    assert propose_ngram(tokens, 3, max_n=3, min_n=2) == [9, 3, 5]  # the latest "5 6 7", not the first
-    assert propose_ngram(tokens, 10, max_n=3, min_n=2) == [9, 3, 5, 6, 7]  # up to the context's end
-    assert propose_ngram([1, 2, 3, 4], 3) == []
-    assert propose_ngram([4, 4], 3, max_n=4, min_n=2) == []
+    assert NgramIndex(3, 2, tokens).propose(3) == [9, 3, 5]  # the latest "5 6 7", not the first
+    assert NgramIndex(3, 2, tokens).propose(10) == [9, 3, 5, 6, 7]  # up to the context's end
+    assert NgramIndex(4, 2, [1, 2, 3, 4]).propose(3) == []
+    assert NgramIndex(4, 2, [4, 4]).propose(3) == []
+    with pytest.raises(ValueError):
+        NgramIndex(2, 3)
+
+
+def _lookup_by_search(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Prompt lookup written as a plain search back through the whole context."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[len(tokens) - n :]
+        for end in range(len(tokens) - 1, n - 1, -1):  # earlier occurrences, latest first
+            if tokens[end - n : end] == suffix:
+                return tokens[end : end + k]
+    return []
+
+
+@pytest.mark.parametrize("max_n, min_n", [(4, 2), (3, 1), (2, 2)])
+def test_ngram_index_grown_token_by_token_proposes_what_a_search_finds(max_n, min_n):
+    # A small vocabulary repeats n-grams often; the sequence runs past a few thousand tokens so a
+    # match may lie far back.
+    rng = np.random.default_rng(max_n * 10 + min_n)
+    tokens = rng.integers(0, 12, 5000).tolist()
+    index = NgramIndex(max_n, min_n, tokens[:40])
+    for length in range(40, len(tokens) + 1):
+        if length % 97 == 0 or length < 200 or length > len(tokens) - 50:
+            want = _lookup_by_search(tokens[:length], 4, max_n, min_n)
+            assert index.propose(4) == want, length
+        if length < len(tokens):
+            index.append(tokens[length])
+    assert len(index) == len(tokens)
 
 
 def _chi_square_p(observed: np.ndarray, p: np.ndarray) -> float:

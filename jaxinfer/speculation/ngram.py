@@ -1,30 +1,58 @@
 """Prompt-lookup drafting: propose the tokens that followed the last occurrence of the request's latest
 n-gram earlier in its own context (prompt and output). No model runs; it pays off where the output
-repeats its context (code edits, quoting, summaries that reuse phrases)."""
+repeats its context (code edits, quoting, summaries that reuse phrases).
+
+A request's NgramIndex grows with its tokens: each appended token indexes the n-grams it closes, so a
+proposal is max_n - min_n + 1 dictionary lookups whatever the context's length. A speculating step
+waits for the host's plan, so a search over the whole context on every step of every request would
+sit on the step's critical path.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-import numpy as np
 
-# Most tokens searched back from the end: the search is host work on every step of every request.
-SEARCH_WINDOW = 4096
+class NgramIndex:
+    """A growing token sequence and, for each n in [min_n, max_n], where every n-gram of it last ended."""
+
+    def __init__(self, max_n: int = 4, min_n: int = 2, tokens: Iterable[int] = ()):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n={min_n} <= max_n={max_n}")
+        self.max_n, self.min_n = max_n, min_n
+        self.tokens: list[int] = []
+        # _ends[n - min_n][gram]: the end (exclusive) of gram's latest occurrence before the suffix.
+        self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]
+        self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        # The n-grams ending here stop being the suffix: from now on they are earlier occurrences.
+        tokens, end = self.tokens, len(self.tokens)
+        for n, ends in enumerate(self._ends, self.min_n):
+            if end >= n:
+                ends[tuple(tokens[end - n :])] = end
+        tokens.append(int(token))
+
+    def propose(self, num_drafts: int) -> list[int]:
+        """Up to `num_drafts` tokens continuing the sequence: the longest n (max_n down to min_n) whose
+        last n tokens occurred before, at its most recent earlier occurrence; [] when none did."""
+        tokens, length = self.tokens, len(self.tokens)
+        if num_drafts <= 0 or length <= self.min_n:
+            return []
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            end = self._ends[n - self.min_n].get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tokens[end : end + num_drafts]
+        return []
 
 
 def propose_ngram(tokens: Sequence[int], num_drafts: int, max_n: int = 4, min_n: int = 2) -> list[int]:
-    """Up to `num_drafts` tokens continuing `tokens`: the longest n (max_n down to min_n) whose last
-    n tokens occurred before, at its most recent earlier occurrence; [] when none did."""
-    if num_drafts <= 0 or len(tokens) <= min_n:
-        return []
-    context = np.asarray(tokens[-SEARCH_WINDOW:], np.int64)
-    length = len(context)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = context[-n:]
-        # Windows starting at 0 .. length - n - 1 (the suffix itself excluded), compared at once.
-        windows = np.lib.stride_tricks.sliding_window_view(context[:-1], n)
-        hits = np.flatnonzero(np.all(windows == suffix, axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return context[start : start + num_drafts].tolist()
-    return []
+    """NgramIndex(max_n, min_n, tokens).propose(num_drafts), for a sequence seen once."""
+    return NgramIndex(max_n, min_n, tokens).propose(num_drafts)

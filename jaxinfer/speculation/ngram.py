@@ -10,7 +10,7 @@ sit on the step's critical path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
 class NgramIndex:
@@ -52,7 +52,3 @@ class NgramIndex:
                 return tokens[end : end + num_drafts]
         return []
 
-
-def propose_ngram(tokens: Sequence[int], num_drafts: int, max_n: int = 4, min_n: int = 2) -> list[int]:
-    """NgramIndex(max_n, min_n, tokens).propose(num_drafts), for a sequence seen once."""
-    return NgramIndex(max_n, min_n, tokens).propose(num_drafts)

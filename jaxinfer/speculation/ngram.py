@@ -51,4 +51,3 @@ class NgramIndex:
             if end is not None:
                 return tokens[end : end + num_drafts]
         return []
-

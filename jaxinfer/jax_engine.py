@@ -44,6 +44,7 @@ from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.jit_mappings import MappingBudget
 from jaxinfer.kernel_dispatch import MAX_QUERIES_AS_ROWS, ROWS_AS_VECTORS, native_attention
 from jaxinfer.kv_cache import KVCache, init_cache
+from jaxinfer.layer_stack import stack_layers
 from jaxinfer.models.params import Params
 from jaxinfer.models.transformer import forward_hidden, output_logits
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
@@ -408,6 +409,8 @@ class JaxEngine(api.Engine):
         self.cache_config = cache_config
         # Weights on their PARAM_RULES shardings (a no-op when loaded with sharding.param_placement).
         self.params = shard_params(params, self.mesh)
+        if self.kernels.matmul == "native":  # one device: layers as one buffer per weight
+            self.params = {**self.params, "layers": stack_layers(self.params["layers"])}
         self._sampler_params = {k: self.params[k] for k in _SAMPLER_PARAMS if k in self.params}
         max_len, page = cache_config.max_len, cache_config.page_size
         self._prefill_buckets = power_of_two_buckets(

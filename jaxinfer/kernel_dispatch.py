@@ -20,7 +20,15 @@ from jaxinfer.cpu_kernels import (
     int4_matmul_cpu,
     int8_matmul_vnni,
 )
-from jaxinfer.weight_formats import Int4Weight, Int5Weight, Int8Weight, PackedInt4Weight, PackedInt5Weight
+from jaxinfer.layer_stack import layer_bytes
+from jaxinfer.weight_formats import (
+    Int4Weight,
+    Int5Weight,
+    Int8Weight,
+    LayerOf,
+    PackedInt4Weight,
+    PackedInt5Weight,
+)
 from pallas_kernels import int4_matmul, int8_matmul, quantize_int8
 from pallas_kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 
@@ -55,7 +63,9 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     native kernel on CPU (PackedInt5Weight); the runtime gives other kernels int8 instead
     (quantization.int5_as_int8), and an Int5Weight passed here takes XLA's product over its values.
     """
-    if isinstance(w, Int8Weight):
+    if isinstance(w, LayerOf):  # a layer of a stacked native weight (layer_stack.py)
+        y = _native_layer_linear(x.reshape(-1, x.shape[-1]), w)
+    elif isinstance(w, Int8Weight):
         y = _int8_linear(x.reshape(-1, x.shape[-1]), w, kernels)
     elif isinstance(w, (PackedInt4Weight, PackedInt5Weight)):
         y = int4_matmul_cpu(x.reshape(-1, x.shape[-1]), w)
@@ -66,6 +76,13 @@ def linear(x: jax.Array, w, kernels: KernelConfig) -> jax.Array:
     else:
         return x @ w.astype(x.dtype).T
     return y.reshape(*x.shape[:-1], w.shape[0]).astype(x.dtype)
+
+
+def _native_layer_linear(x2: jax.Array, w: LayerOf) -> jax.Array:
+    """x2 [rows, in] . layer w.layer of a stacked native weight -> [rows, out]."""
+    if isinstance(w.weight, Int8Weight):
+        return int8_matmul_vnni(x2, w.weight.vnni, w.weight.scale, layer=w.layer)
+    return int4_matmul_cpu(x2, w.weight, layer=w.layer)
 
 
 def _vnni_serves(w: Int8Weight, kernels: KernelConfig) -> bool:
@@ -94,6 +111,8 @@ def _int8_linear(x2: jax.Array, w: Int8Weight, kernels: KernelConfig) -> jax.Arr
 def weight_read_bytes(w, rows: int, kernels: KernelConfig) -> int:
     """Bytes `linear` reads from w for a product of `rows` rows: the form _int8_linear picks for an
     Int8Weight, every array of the other formats (for decode-step rooflines in the benchmarks)."""
+    if isinstance(w, LayerOf):  # the native kernels read every array of their layer
+        return layer_bytes(w)
     if isinstance(w, Int8Weight):
         if _vnni_serves(w, kernels):
             return w.vnni.nbytes + w.scale.nbytes

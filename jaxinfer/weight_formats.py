@@ -12,6 +12,7 @@ these types; adding a format means a class here, its kernels and its tests.
     PackedInt4Weight  an Int4Weight in the native CPU kernel's layout (cpu_kernels/int4_matmul.py)
     Int5Weight        w[o, i] = q[o, i] * scale[o, g] + minimum[o, g],  q in [0, 31]  (5 + 64 / 32 bits)
     PackedInt5Weight  an Int5Weight in the same kernel's layout, its fifth bits beside the nibbles
+    LayerOf           one layer of a packed or VNNI weight whose arrays stack every layer's
 
 Int4Weight holds float32 scales and minimums so that GGUF's 4-bit blocks map onto it exactly: Q4_0
 (w = d * (q - 8): scale d, minimum -8d), Q4_1 (w = d * q + m) and Q4_K (each 32-weight sub-block: scale
@@ -212,7 +213,26 @@ class PackedInt5Weight:
         return (self.packed.shape[0] * self.packed.shape[2], self.in_features)
 
 
-QUANTIZED_TYPES = (Int8Weight, Int4Weight, PackedInt4Weight, Int5Weight, PackedInt5Weight)
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["weight"], meta_fields=["layer"])
+@dataclasses.dataclass(frozen=True)
+class LayerOf:
+    """Layer `layer` of `weight`, whose arrays stack every layer's along a leading axis: how a model
+    served by the native CPU kernels holds its layers (layer_stack.py)."""
+
+    weight: Any  # PackedInt4Weight, PackedInt5Weight or Int8Weight (VNNI form only), arrays [layers, ...]
+    layer: int
+
+    @property
+    def one_layer(self) -> Any:
+        """The weight with one layer's shapes (abstract arrays: for shapes and byte counts)."""
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), self.weight)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.one_layer.shape
+
+
+QUANTIZED_TYPES = (Int8Weight, Int4Weight, PackedInt4Weight, Int5Weight, PackedInt5Weight, LayerOf)
 GROUPED_TYPES = (Int4Weight, PackedInt4Weight, Int5Weight, PackedInt5Weight)  # scales per group of inputs
 
 
@@ -222,6 +242,8 @@ def is_quantized(w) -> bool:
 
 def format_name(w) -> str:
     """ "float", "int8", "int4" or "int5" (either layout)."""
+    if isinstance(w, LayerOf):
+        return format_name(w.weight)
     if isinstance(w, Int8Weight):
         return "int8"
     if isinstance(w, (Int4Weight, PackedInt4Weight)):

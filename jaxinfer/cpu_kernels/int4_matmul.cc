@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "layer_slice.h"
 #include "parallel_for.h"
 #include "quantize_activations.h"
 #include "xla/ffi/api/ffi.h"
@@ -253,25 +254,33 @@ void Columns(const Problem& p, int64_t nb_begin, int64_t nb_end) {
   for (; nb < nb_end; ++nb) Rows<1, kFive>(p, nb);
 }
 
-// high: the fifth bits for int5 (a [N/16, K/8, 16] u8 buffer), nullptr for int4.
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                  const ffi::Buffer<ffi::U8>* high, ffi::AnyBuffer scale, ffi::AnyBuffer minimum,
+// w, high, scale and minimum hold one layer's weight, or every layer's stacked along a leading axis
+// (layer_slice.h); `layer` picks the one to read. high: the fifth bits for int5 (a [N/16, K/8, 16] u8
+// buffer), nullptr for int4.
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_all, const ffi::AnyBuffer* high_all,
+                  ffi::AnyBuffer scale_all, ffi::AnyBuffer minimum_all, int64_t layer,
                   ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions(), sd = scale.dimensions(), md = minimum.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || sd.size() != 3 || md.size() != 3 || wd[2] != kBlockN || wd[3] != 4 ||
-      sd[2] != kBlockN || md[0] != sd[0] || md[1] != sd[1] || md[2] != sd[2])
+  const jaxinfer::LayerSlice w = jaxinfer::SliceLayer(w_all, 4, layer), scale = jaxinfer::SliceLayer(scale_all, 3, layer),
+                             minimum = jaxinfer::SliceLayer(minimum_all, 3, layer);
+  const auto xd = x.dimensions();
+  const std::vector<int64_t>&wd = w.dims, &sd = scale.dims, &md = minimum.dims;
+  if (xd.size() != 2 || !w.ok || !scale.ok || !minimum.ok || w_all.element_type() != ffi::DataType::U8 ||
+      wd[2] != kBlockN || wd[3] != 4 || sd[2] != kBlockN || md != sd)
     return ffi::Error::InvalidArgument(
-        "int4_matmul: want x [M, K], w [N/16, K/8, 16, 4], scale and minimum [N/16, G, 16]");
+        "int4_matmul: want x [M, K], w u8 [N/16, K/8, 16, 4], scale and minimum [N/16, G, 16] (each with a "
+        "leading [layers] axis holding `layer`, or without one and layer 0)");
   const int64_t m = xd[0], k = xd[1], groups = sd[1];
   if (wd[1] * kChunkK != k || sd[0] != wd[0] || groups <= 0 || k % groups != 0 || (k / groups) % kBlockK != 0)
     return ffi::Error::InvalidArgument("int4_matmul: K, groups and weight layout disagree");
-  const ffi::DataType kind = scale.element_type();
-  if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || minimum.element_type() != kind)
+  const ffi::DataType kind = scale_all.element_type();
+  if ((kind != ffi::DataType::F32 && kind != ffi::DataType::F16) || minimum_all.element_type() != kind)
     return ffi::Error::InvalidArgument("int4_matmul: scale and minimum must be both float32 or both float16");
-  if (high != nullptr) {
-    const auto hd = high->dimensions();
-    if (hd.size() != 3 || hd[0] != wd[0] || hd[1] != wd[1] || hd[2] != 16)
-      return ffi::Error::InvalidArgument("int5_matmul: want high [N/16, K/8, 16] beside w [N/16, K/8, 16, 4]");
+  jaxinfer::LayerSlice high;
+  if (high_all != nullptr) {
+    high = jaxinfer::SliceLayer(*high_all, 3, layer);
+    if (!high.ok || high_all->element_type() != ffi::DataType::U8 || high.dims[0] != wd[0] ||
+        high.dims[1] != wd[1] || high.dims[2] != 16)
+      return ffi::Error::InvalidArgument("int5_matmul: want high u8 [N/16, K/8, 16] beside w [N/16, K/8, 16, 4]");
   }
   if (m == 0) return ffi::Error::Success();
   const int64_t group = k / groups;
@@ -280,9 +289,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   std::vector<float> xs(m * blocks_per_row), block_sum(m * blocks_per_row), xsum(m * groups, 0.0f);
   jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, xq.data(), xs.data(), block_sum.data(), nullptr);
   for (int64_t b = 0; b < m * blocks_per_row; ++b) xsum[b / blocks_per_group] += block_sum[b];
-  Problem p{xq.data(), xs.data(), xsum.data(), w.typed_data(), high ? high->typed_data() : nullptr,
-            scale.untyped_data(), minimum.untyped_data(), kind == ffi::DataType::F16, out->typed_data(), m,
-            wd[0] * kBlockN, k, groups, blocks_per_group};
+  Problem p{xq.data(), xs.data(), xsum.data(), static_cast<const uint8_t*>(w.data),
+            static_cast<const uint8_t*>(high.data), scale.data, minimum.data, kind == ffi::DataType::F16,
+            out->typed_data(), m, wd[0] * kBlockN, k, groups, blocks_per_group};
 
   const int64_t blocks = wd[0];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
@@ -303,15 +312,15 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
-ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::AnyBuffer scale,
-                      ffi::AnyBuffer minimum, ffi::ResultBuffer<ffi::F32> out) {
-  return Matmul(pool, x, w, nullptr, scale, minimum, out);
+ffi::Error Int4Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer scale,
+                      ffi::AnyBuffer minimum, int64_t layer, ffi::ResultBuffer<ffi::F32> out) {
+  return Matmul(pool, x, w, nullptr, scale, minimum, layer, out);
 }
 
-ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                      ffi::Buffer<ffi::U8> high, ffi::AnyBuffer scale, ffi::AnyBuffer minimum,
+ffi::Error Int5Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::AnyBuffer high,
+                      ffi::AnyBuffer scale, ffi::AnyBuffer minimum, int64_t layer,
                       ffi::ResultBuffer<ffi::F32> out) {
-  return Matmul(pool, x, w, &high, scale, minimum, out);
+  return Matmul(pool, x, w, &high, scale, minimum, layer, out);
 }
 
 }  // namespace
@@ -320,17 +329,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int4_matmul), Int4Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("layer")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int5_matmul), Int5Matmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("layer")
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -107,17 +107,20 @@ def unpack_int4(p: PackedInt4Weight | PackedInt5Weight) -> Int4Weight | Int5Weig
 
 
 def int4_matmul_cpu(
-    x: jax.Array, w: PackedInt4Weight | PackedInt5Weight, *, isa: str | None = None
+    x: jax.Array, w: PackedInt4Weight | PackedInt5Weight, *, layer: int | None = None, isa: str | None = None
 ) -> jax.Array:
-    """x [rows, in] float . w (pack_int4's or pack_int5's form of [out, in]) -> [rows, out] float32. Runs
-    the chosen variant (KERNEL.chosen_isa()), or the one named by `isa` ("avx512_vnni", "avx2")."""
+    """x [rows, in] float . w (pack_int4's or pack_int5's form of [out, in]) -> [rows, out] float32. With
+    `layer`, w's arrays stack every layer's weight along a leading axis (layer_stack.py) and the kernel
+    reads that layer's in place. Runs the chosen variant (KERNEL.chosen_isa()), or the one named by `isa`
+    ("avx512_vnni", "avx2")."""
     five = isinstance(w, PackedInt5Weight)
     target = KERNEL.target(SYMBOL_INT5 if five else SYMBOL, isa)  # registers it on first use
-    if x.ndim != 2 or x.shape[1] != w.in_features:
-        raise ValueError(f"x {x.shape} does not fit an int{5 if five else 4} weight of shape {w.shape}")
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    blocks, chunks = w.packed.shape[-4:-2]
+    if w.packed.ndim != (4 if layer is None else 5) or x.ndim != 2 or x.shape[1] != chunks * CHUNK_K:
+        raise ValueError(f"x {x.shape} does not fit an int{5 if five else 4} weight of {w.packed.shape}")
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], blocks * BLOCK_N), jnp.float32))
     fifth = (w.high,) if five else ()
-    return call(x.astype(jnp.float32), w.packed, *fifth, w.scale, w.minimum)
+    return call(x.astype(jnp.float32), w.packed, *fifth, w.scale, w.minimum, layer=np.int64(layer or 0))
 
 
 def int4_matmul_cpu_reference(x: jax.Array, w: Int4Weight | Int5Weight) -> jax.Array:

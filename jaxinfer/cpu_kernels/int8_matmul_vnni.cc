@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "layer_slice.h"
 #include "parallel_for.h"
 #include "quantize_activations.h"
 #include "xla/ffi/api/ffi.h"
@@ -190,11 +191,19 @@ void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
   for (; n < n_end; n += kBlockN) Rows<1>(p, n);
 }
 
-ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w,
-                          ffi::Buffer<ffi::F32> w_scale, ffi::ResultBuffer<ffi::F32> out) {
-  const auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || wd[2] != kBlockN || wd[3] != 4)
-    return ffi::Error::InvalidArgument("int8_matmul_vnni: want x [M, K], w [N/16, K/4, 16, 4]");
+// w and w_scale hold one layer's weight, or every layer's stacked along a leading axis (layer_slice.h);
+// `layer` picks the one to read.
+ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_all,
+                          ffi::AnyBuffer w_scale_all, int64_t layer, ffi::ResultBuffer<ffi::F32> out) {
+  const jaxinfer::LayerSlice w = jaxinfer::SliceLayer(w_all, 4, layer), w_scale = jaxinfer::SliceLayer(w_scale_all, 1, layer);
+  const auto xd = x.dimensions();
+  const std::vector<int64_t>& wd = w.dims;
+  if (xd.size() != 2 || !w.ok || !w_scale.ok || w_all.element_type() != ffi::DataType::U8 ||
+      w_scale_all.element_type() != ffi::DataType::F32 || wd[2] != kBlockN || wd[3] != 4 ||
+      w_scale.dims[0] != wd[0] * kBlockN)
+    return ffi::Error::InvalidArgument(
+        "int8_matmul_vnni: want x [M, K], w u8 [N/16, K/4, 16, 4], scale f32 [N] (each with a leading [layers] "
+        "axis holding `layer`, or without one and layer 0)");
   const int64_t m = xd[0], k = xd[1], kb = k / jaxinfer::kActivationBlock;
   if (wd[1] * 4 != k || k % jaxinfer::kActivationBlock != 0 || kb == 0)
     return ffi::Error::InvalidArgument("int8_matmul_vnni: K must be a positive multiple of 32 and fit the weight");
@@ -204,7 +213,7 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
   std::vector<int32_t> x_comp(m * kb);
   jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, x_q.data(), x_scale.data(), nullptr, x_comp.data());
   for (int32_t& c : x_comp) c *= 128;
-  Problem p{x_q.data(), x_scale.data(), x_comp.data(), w.typed_data(), w_scale.typed_data(),
+  Problem p{x_q.data(), x_scale.data(), x_comp.data(), static_cast<const uint8_t*>(w.data), static_cast<const float*>(w_scale.data),
             out->typed_data(), m, wd[0] * kBlockN, k, kb, jaxinfer::kActivationBlock};
 
   constexpr int64_t kGroup = kBlocks * kBlockN;
@@ -226,6 +235,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JAXINFER_SYMBOL(jaxinfer_int8_matmul_vnni), Int8Ma
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("layer")
                                   .Ret<ffi::Buffer<ffi::F32>>());

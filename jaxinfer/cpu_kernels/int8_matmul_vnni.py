@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.cpu_kernels.native_build import NativeKernel
 from pallas_kernels import quantize_int8
@@ -53,17 +54,19 @@ def pack_weight(q: jax.Array) -> jax.Array:
 
 
 def int8_matmul_vnni(
-    x: jax.Array, packed: jax.Array, scale: jax.Array, *, isa: str | None = None
+    x: jax.Array, packed: jax.Array, scale: jax.Array, *, layer: int | None = None, isa: str | None = None
 ) -> jax.Array:
     """x [rows, in] float . int8 weight [out, in] (packed by pack_weight; scale float32 [out] per output
-    channel) -> [rows, out] float32. Runs the chosen variant (KERNEL.chosen_isa(); needs
-    vnni_available()), or the one named by `isa` ("avx512_vnni", "avx2"), which this CPU must support."""
+    channel) -> [rows, out] float32. With `layer`, packed and scale stack every layer's along a leading
+    axis (layer_stack.py) and the kernel reads that layer's in place. Runs the chosen variant
+    (KERNEL.chosen_isa(); needs vnni_available()), or the one named by `isa` ("avx512_vnni", "avx2"),
+    which this CPU must support."""
     target = KERNEL.target(SYMBOL, isa)  # registers it on first use
-    if x.ndim != 2 or x.shape[1] != packed.shape[1] * BLOCK_K:
+    blocks, quads = packed.shape[-4:-2]
+    if packed.ndim != (4 if layer is None else 5) or x.ndim != 2 or x.shape[1] != quads * BLOCK_K:
         raise ValueError(f"x {x.shape} does not fit a packed int8 weight of {packed.shape}")
-    out = jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * BLOCK_N), jnp.float32)
-    call = jax.ffi.ffi_call(target, out)
-    return call(x.astype(jnp.float32), packed, scale.astype(jnp.float32))
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], blocks * BLOCK_N), jnp.float32))
+    return call(x.astype(jnp.float32), packed, scale.astype(jnp.float32), layer=np.int64(layer or 0))
 
 
 def int8_matmul_vnni_reference(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:

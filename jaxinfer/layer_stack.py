@@ -57,12 +57,12 @@ def _row(stack: Any, row: int) -> Any:
 
 
 def _stackable(leaf: Any) -> bool:
-    """Leaves whose layer the program can read without copying it: the native kernels' weights, and
-    vectors (norms, biases) that only elementwise ops read."""
+    """Leaves whose layer the program can read without copying it: the native kernels' matrices (not
+    stacked expert weights), and vectors (norms, biases) that only elementwise ops read."""
     if isinstance(leaf, Int8Weight):
-        return leaf.vnni is not None and leaf.q is None and leaf.bf16 is None
+        return leaf.vnni is not None and leaf.vnni.ndim == 4 and leaf.q is None and leaf.bf16 is None
     if isinstance(leaf, KERNEL_TYPES):
-        return True
+        return leaf.packed.ndim == 4
     return isinstance(leaf, jax.Array) and leaf.ndim == 1
 
 

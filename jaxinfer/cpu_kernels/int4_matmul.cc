@@ -257,11 +257,12 @@ void Columns(const Problem& p, int64_t nb_begin, int64_t nb_end) {
 // w, high, scale and minimum hold one layer's weight, or every layer's stacked along a leading axis
 // (layer_slice.h); `layer` picks the one to read. high: the fifth bits for int5 (a [N/16, K/8, 16] u8
 // buffer), nullptr for int4.
-ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_all, const ffi::AnyBuffer* high_all,
-                  ffi::AnyBuffer scale_all, ffi::AnyBuffer minimum_all, int64_t layer,
-                  ffi::ResultBuffer<ffi::F32> out) {
-  const jaxinfer::LayerSlice w = jaxinfer::SliceLayer(w_all, 4, layer), scale = jaxinfer::SliceLayer(scale_all, 3, layer),
-                             minimum = jaxinfer::SliceLayer(minimum_all, 3, layer);
+ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_all,
+                  const ffi::AnyBuffer* high_all, ffi::AnyBuffer scale_all, ffi::AnyBuffer minimum_all,
+                  int64_t layer, ffi::ResultBuffer<ffi::F32> out) {
+  const jaxinfer::LayerSlice w = jaxinfer::SliceLayer(w_all, 4, layer);
+  const jaxinfer::LayerSlice scale = jaxinfer::SliceLayer(scale_all, 3, layer);
+  const jaxinfer::LayerSlice minimum = jaxinfer::SliceLayer(minimum_all, 3, layer);
   const auto xd = x.dimensions();
   const std::vector<int64_t>&wd = w.dims, &sd = scale.dims, &md = minimum.dims;
   if (xd.size() != 2 || !w.ok || !scale.ok || !minimum.ok || w_all.element_type() != ffi::DataType::U8 ||

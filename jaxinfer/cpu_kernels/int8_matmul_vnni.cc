@@ -195,7 +195,8 @@ void Columns(const Problem& p, int64_t n_begin, int64_t n_end) {
 // `layer` picks the one to read.
 ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_all,
                           ffi::AnyBuffer w_scale_all, int64_t layer, ffi::ResultBuffer<ffi::F32> out) {
-  const jaxinfer::LayerSlice w = jaxinfer::SliceLayer(w_all, 4, layer), w_scale = jaxinfer::SliceLayer(w_scale_all, 1, layer);
+  const jaxinfer::LayerSlice w = jaxinfer::SliceLayer(w_all, 4, layer);
+  const jaxinfer::LayerSlice w_scale = jaxinfer::SliceLayer(w_scale_all, 1, layer);
   const auto xd = x.dimensions();
   const std::vector<int64_t>& wd = w.dims;
   if (xd.size() != 2 || !w.ok || !w_scale.ok || w_all.element_type() != ffi::DataType::U8 ||
@@ -213,7 +214,8 @@ ffi::Error Int8MatmulVnni(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::An
   std::vector<int32_t> x_comp(m * kb);
   jaxinfer::QuantizeRows(pool, x.typed_data(), m, k, x_q.data(), x_scale.data(), nullptr, x_comp.data());
   for (int32_t& c : x_comp) c *= 128;
-  Problem p{x_q.data(), x_scale.data(), x_comp.data(), static_cast<const uint8_t*>(w.data), static_cast<const float*>(w_scale.data),
+  Problem p{x_q.data(), x_scale.data(), x_comp.data(), static_cast<const uint8_t*>(w.data),
+            static_cast<const float*>(w_scale.data),
             out->typed_data(), m, wd[0] * kBlockN, k, kb, jaxinfer::kActivationBlock};
 
   constexpr int64_t kGroup = kBlocks * kBlockN;

@@ -20,7 +20,6 @@ from jaxinfer.cpu_kernels import (
     int4_matmul_cpu,
     int8_matmul_vnni,
 )
-from jaxinfer.layer_stack import layer_bytes
 from jaxinfer.weight_formats import (
     Int4Weight,
     Int5Weight,
@@ -112,7 +111,7 @@ def weight_read_bytes(w, rows: int, kernels: KernelConfig) -> int:
     """Bytes `linear` reads from w for a product of `rows` rows: the form _int8_linear picks for an
     Int8Weight, every array of the other formats (for decode-step rooflines in the benchmarks)."""
     if isinstance(w, LayerOf):  # the native kernels read every array of their layer
-        return layer_bytes(w)
+        return w.nbytes
     if isinstance(w, Int8Weight):
         if _vnni_serves(w, kernels):
             return w.vnni.nbytes + w.scale.nbytes

@@ -19,7 +19,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxinfer.weight_formats import Int8Weight, LayerOf, PackedInt4Weight, PackedInt5Weight
 
@@ -89,9 +88,3 @@ def stack_layers(layers: list[dict[str, Any]]) -> LayerStack | list[dict[str, An
         where.append(tuple(placed))
     stacks = tuple(jax.tree.map(lambda *a: jnp.stack(a), *members) for members in groups.values())
     return LayerStack(stacks, tuple(where))
-
-
-def layer_bytes(w: Any) -> int:
-    """Bytes of one layer's leaf, whether a LayerOf or an array."""
-    leaf = w.one_layer if isinstance(w, LayerOf) else w
-    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(leaf))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -230,6 +231,11 @@ class LayerOf:
     @property
     def shape(self) -> tuple[int, int]:
         return self.one_layer.shape
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's arrays (what a product over it reads)."""
+        return sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(self.one_layer))
 
 
 QUANTIZED_TYPES = (Int8Weight, Int4Weight, PackedInt4Weight, Int5Weight, PackedInt5Weight, LayerOf)

@@ -163,6 +163,137 @@ PASSAGE_TEMPLATES = [
 ]
 
 
+# Conversational requests as people type them: questions about everyday things, how things work, places
+# and the past, practical problems and small writing jobs. None shares a subject with CHAT_PROMPTS.
+EVERYDAY_QUESTIONS = [
+    "Why do onions make people cry when you cut them?", "Why is the ocean salty but rivers are not?",
+    "Why do we yawn, and why is it contagious?", "Why does bread go stale so quickly?",
+    "Why do airplanes leave white trails in the sky?", "Why does my voice sound strange on recordings?",
+    "Why do some people get motion sickness in cars?", "Why is it harder to breathe on a high mountain?",
+    "Why do ice cubes crack when I drop them into a drink?", "Why do our fingers wrinkle in the bath?",
+    "Why does coffee keep me awake?", "Why do mirrors flip left and right but not up and down?",
+    "Why do we get goosebumps?", "Why do golf balls have dimples?", "Why does metal feel colder than wood?",
+    "Why do some countries drive on the left side of the road?", "Why do we have leap years?",
+    "Why do bubbles always look round?", "Why does spicy food feel hot?",
+    "Why do apples turn brown after cutting?", "Why is the Dead Sea called dead?", "Why do we dream?",
+    "Why does popcorn pop?", "Why do songs get stuck in my head?", "Why are flamingos pink?",
+    "Why does the moon look bigger near the horizon?", "Why is glass transparent?", "Why do knuckles crack?",
+    "Why do people have different blood types?", "Why do candles flicker?",
+    "Is it true that we only use ten percent of our brains?", "Is it safe to swim right after eating?",
+    "Do goldfish really have a three-second memory?", "Does cracking your knuckles cause arthritis?",
+    "Can lightning strike the same place twice?", "What happens to my body when I drink too little water?",
+    "What is the difference between weather and climate?",
+    "What is the difference between a virus and a bacterium?", "What causes hiccups and how do I stop them?",
+    "What makes a rainbow appear?", "What is inside the Earth's core?", "What is a calorie, exactly?",
+    "What does a blood test actually measure?",
+    "What is the difference between baking soda and baking powder?",
+    "What causes traffic jams when there is no accident?", "What is jet lag and how can I avoid it?",
+    "What happens when you recycle a plastic bottle?",
+    "What is the difference between an alligator and a crocodile?",
+    "What is a credit score and why does it matter?", "What do the numbers on a tire mean?",
+    "How far away is the nearest star?", "How do noise-cancelling headphones block sound?",
+    "How much sleep does a teenager need?", "How do birds know where to fly in winter?",
+    "How is chocolate made from cocoa beans?", "How do submarines dive and come back up?",
+    "How does a credit card payment go through in a shop?", "How do fireworks get their colors?",
+    "How is paper made?", "How do glasses correct bad eyesight?",
+]  # fmt: skip
+
+HOW_IT_WORKS = [
+    "a microwave oven", "a smartphone touchscreen", "GPS navigation", "an elevator", "a pin tumbler lock",
+    "a home thermostat", "a solar-powered calculator", "a hot air balloon", "a magnetic compass",
+    "a dishwasher", "a camera lens", "an airplane wing", "a rechargeable battery", "Wi-Fi",
+    "a barcode scanner", "a flushing toilet", "an electric kettle", "a smoke detector", "a wind turbine",
+    "a hearing aid", "a 3D printer", "a vending machine", "an escalator", "a pressure cooker",
+    "a traffic light system", "a search engine", "an electric guitar", "a parachute", "a QR code",
+    "a washing machine",
+]  # fmt: skip
+
+HOW_IT_WORKS_TEMPLATES = [
+    "How does {} work?",
+    "Can you explain how {} works, step by step?",
+    "What happens inside {} when you use it?",
+]
+
+PRACTICAL_QUESTIONS = [
+    "How can I get a stain of red wine out of a white shirt?", "What's the best way to learn to touch type?",
+    "How do I unclog a bathroom sink without calling a plumber?", "How often should I water a cactus?",
+    "What is a good morning routine for someone who is always late?",
+    "How can I keep my laptop battery healthy?", "What should I do if my phone gets wet?",
+    "How do I politely say no to extra work?", "How can I stop my glasses from fogging up?",
+    "What's the easiest way to fold a fitted sheet?", "How should I store fresh herbs so they last longer?",
+    "How do I negotiate a higher salary?",
+    "My houseplant's leaves are turning yellow. What am I doing wrong?", "How can I sleep on a long flight?",
+    "What should I look for when buying a used car?", "How do I back up the photos on my phone?",
+    "How can I make a small room look bigger?", "What's a good way to split bills with roommates?",
+    "How do I write a strong password that I can still remember?", "How can I calm down before a big exam?",
+    "What should I do during the first week at a new job?", "How can I drink more water during the day?",
+    "How do I get rid of fruit flies in the kitchen?", "How do I clean a cast iron pan?",
+    "How do I start a conversation with someone at a networking event?",
+    "How can I save energy at home in winter?",
+    "What's a polite way to remind a friend that they owe me money?",
+    "How do I keep a sourdough starter alive?", "How can I learn to swim as an adult?",
+    "How do I choose a good watermelon at the market?",
+    "My laptop is really slow. What can I try before buying a new one?", "How do I sharpen a kitchen knife?",
+    "What's the best way to practice a speech?", "How do I teach my grandmother to use video calls?",
+    "How can I get better at mental math?", "What should I keep in a first aid kit at home?",
+    "How do I prepare for a long hike in hot weather?", "How can I read faster without missing the meaning?",
+    "How do I stop procrastinating on cleaning my room?", "How do I make my own compost?",
+]  # fmt: skip
+
+SMALL_TASKS = [
+    "Suggest five names for a small family bakery.", "Write a limerick about a forgetful wizard.",
+    "Plan a three-day trip to Lisbon for someone who loves food.",
+    "Give me a 20-minute workout I can do at home.", "Write a short toast for my best friend's wedding.",
+    "Write a funny out-of-office reply for my email.", "Give me three ideas for a science fair project.",
+    "Write a two-sentence horror story.", "Create a weekly meal plan for a vegetarian student on a budget.",
+    "Write a tweet announcing a new coffee shop.", "Give me a packing list for a business trip of two days.",
+    "Write a riddle and give the answer at the end.", "Suggest a name and a slogan for a bike repair shop.",
+    "Write a short speech to thank volunteers at a charity event.",
+    "Make a to-do list for moving into a new apartment.",
+    "Write a motivational message for someone starting a diet.",
+    "Describe a sunny beach in the style of a travel brochure.",
+    "Write a polite message declining a wedding invitation.", "Give me ten questions to ask on a first date.",
+    "Write a short review of an imaginary Italian restaurant.",
+    "Come up with a fun team-building activity for an office of twenty people.",
+    "Write instructions for making a paper airplane.", "Write a job posting for a part-time barista.",
+    "Give me a list of board games for a family night.",
+    "Write a short dialogue between a customer and a waiter.", "Write a sonnet about the sea.",
+    "Help me write a message apologizing for missing a meeting.",
+    "Suggest some hobbies for someone who works at a desk all day.",
+    "Write a short bio for a freelance graphic designer.",
+    "Give me a study schedule for learning basic Spanish in a month.",
+    "Write a welcome speech for the first day of a summer camp.",
+    "Create a simple workout plan for a beginner runner.",
+    "Write a letter to my future self, ten years from now.",
+    "Rewrite this sentence to sound more formal: hey, can u send me the file asap?",
+    "Give me five tips for taking better photos with a phone.",
+    "Write a short fable with a moral at the end.", "Plan a budget-friendly date night at home.",
+    "Write a message to a coworker congratulating them on a promotion.",
+    "List the pros and cons of living in a big city.",
+    "Give me some conversation starters for a dinner party.",
+]  # fmt: skip
+
+PLACES_AND_PAST = [
+    "What was daily life like for a knight in a medieval castle?",
+    "How did people tell the time before clocks?",
+    "Who invented the telephone, and how did it change the world?",
+    "What is the Great Wall of China made of?", "Tell me about the history of the Eiffel Tower.",
+    "Why did the Titanic sink?", "What did people eat in ancient Rome?",
+    "How did sailors navigate before GPS?", "What is special about the city of Venice?",
+    "How did the Vikings travel so far?", "What was the Cold War about?",
+    "Tell me about the first person to walk on the moon.", "What is life like in Antarctica for scientists?",
+    "Why is Mount Everest so hard to climb?", "How did the Wright brothers build the first airplane?",
+    "What is the Amazon River known for?", "How did ancient Greeks hold the first Olympic games?",
+    "What was the Gold Rush in California?", "How were castles defended during a siege?",
+    "What should I see on a first visit to Japan?", "What is the history of chocolate?",
+    "How did writing first develop?", "What was the Berlin Wall and why did it fall?",
+    "What makes the Sahara desert so dry?", "How did people keep food cold before electricity?",
+    "What was it like to travel on a steam train?", "Who was Marie Curie and what did she discover?",
+    "What is the story behind the Statue of Liberty?", "How did the ancient Maya build their cities?",
+    "Why is Iceland called the land of fire and ice?",
+]  # fmt: skip
+
+
 def _training_prompts() -> list[str]:
     """Every template of each group over a rotating share of its topics, then one fixed shuffle."""
     prompts: list[str] = []
@@ -187,7 +318,19 @@ def _training_prompts() -> list[str]:
     return prompts
 
 
-TRAINING_PROMPTS: list[str] = _training_prompts()
+def _conversational_prompts() -> list[str]:
+    """The conversational requests, each how-it-works subject with 2 of its 3 templates, shuffled."""
+    prompts = EVERYDAY_QUESTIONS + PRACTICAL_QUESTIONS + SMALL_TASKS + PLACES_AND_PAST
+    for i, subject in enumerate(HOW_IT_WORKS):
+        templates = [HOW_IT_WORKS_TEMPLATES[(i + k) % len(HOW_IT_WORKS_TEMPLATES)] for k in range(2)]
+        prompts += [template.format(subject) for template in templates]
+    random.Random(1).shuffle(prompts)
+    return prompts
+
+
+# The conversational set comes after the first one: a corpus answering the first N prompts stays a
+# prefix of a longer one (scripts/train_draft_heads.py --corpus extends it).
+TRAINING_PROMPTS: list[str] = _training_prompts() + _conversational_prompts()
 
 CHAT_PROMPTS: list[str] = [
     "What's a good way to remember people's names after meeting them once?",

@@ -7,7 +7,8 @@
 2. answers the first --prompts of speculation_prompts.TRAINING_PROMPTS with the target itself, 48 at a
    time, --samples-per-prompt answers each: the first greedy, the others at temperature 0.8 (the
    heads keep learning from more of the model's own text; sampling varies it); with --corpus, the
-   answers are written to FILE, or read from it when it exists (training again skips generating);
+   answers are written to FILE, or read from it when it exists (training again skips generating), and
+   a FILE answering fewer prompts is extended with the answers to the rest;
 3. runs the engine's own params and kernels over every prompt + answer once for the hidden states and
    the target's greedy choice at each position (the labels: what greedy verification accepts);
 4. fits the heads (speculation/training.py; prompts held out whole) and saves those of the best
@@ -63,8 +64,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--holdout-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--corpus", type=Path, help="JSON file of the generated answers: read if it exists, else written"
-    )
+        "--corpus", type=Path,
+        help="JSON file of the generated answers: read if it exists (extended to --prompts), else written",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="default: $JAXINFER_CACHE_DIR/draft_heads/<model>")
     return p.parse_args()
 
@@ -73,9 +75,9 @@ def _log(line: str) -> None:
     print(f"  {line}", flush=True)
 
 
-def _generate_corpus(args: argparse.Namespace, runtime, model_name: str) -> dict:
-    """The target's answers to the training prompts: each sequence (prompt + answer), where its answer
-    starts, and its prompt's index (answers to one prompt are held out together)."""
+def _generate_corpus(args: argparse.Namespace, runtime, model_name: str, first: int = 0) -> dict:
+    """The target's answers to training prompts first .. --prompts: each sequence (prompt + answer),
+    where its answer starts, and its prompt's index (answers to one prompt are held out together)."""
     tokenizer = runtime.tokenizer
     encoded = [
         tokenizer.encode_chat([{"role": "user", "content": text}])
@@ -85,7 +87,7 @@ def _generate_corpus(args: argparse.Namespace, runtime, model_name: str) -> dict
         np.random.default_rng(args.seed).permutation(len(encoded))[: round(args.sampled_share * len(encoded))]
     )
     prompts, groups, sampling = [], [], []  # groups: each answer's prompt (held out together)
-    for i, prompt in enumerate(encoded):
+    for i, prompt in enumerate(encoded[first:], start=first):
         for answer in range(args.samples_per_prompt):
             sampled = answer > 0 or i in sampled_first
             prompts.append(prompt)
@@ -100,13 +102,14 @@ def _generate_corpus(args: argparse.Namespace, runtime, model_name: str) -> dict
     generate_seconds = time.perf_counter() - start
     generated = sum(len(c.token_ids) for c in completions)
     print(
-        f"generated {generated} tokens for {len(encoded)} prompts ({len(prompts)} answers, {num_sampled} "
-        f"sampled at temperature {args.temperature}) in {generate_seconds:.1f}s "
+        f"generated {generated} tokens for {len(encoded) - first} prompts ({len(prompts)} answers, "
+        f"{num_sampled} sampled at temperature {args.temperature}) in {generate_seconds:.1f}s "
         f"({generated / generate_seconds:.0f} tokens/s)"
     )
     return {
         "model": model_name,
         "prompts": len(encoded),
+        "samples_per_prompt": args.samples_per_prompt,
         "answers": len(prompts),
         "sampled_answers": num_sampled,
         "temperature": args.temperature,
@@ -116,6 +119,26 @@ def _generate_corpus(args: argparse.Namespace, runtime, model_name: str) -> dict
         "sequences": [list(c.prompt_token_ids) + list(c.token_ids) for c in completions],
         "first_output": [len(c.prompt_token_ids) for c in completions],
         "groups": groups,
+    }
+
+
+def _extended(corpus: dict, more: dict, path: Path) -> dict:
+    """`corpus` followed by `more`, the answers to the prompts after its own, generated the same way."""
+    same = ("temperature", "max_tokens", "samples_per_prompt")
+    # A corpus written before it recorded its samples per prompt holds the same number for each.
+    corpus.setdefault("samples_per_prompt", corpus["answers"] // corpus["prompts"])
+    if any(corpus[k] != more[k] for k in same):
+        raise SystemExit(
+            f"{path} was generated with " + ", ".join(f"{k} {corpus[k]}" for k in same)
+            + "; extend it with the same settings"
+        )  # fmt: skip
+    summed = ("answers", "sampled_answers", "generated_tokens", "generate_seconds")
+    listed = ("sequences", "first_output", "groups")
+    return {
+        **corpus,
+        "prompts": more["prompts"],
+        **{k: round(corpus[k] + more[k], 1) for k in summed},
+        **{k: corpus[k] + more[k] for k in listed},
     }
 
 
@@ -130,14 +153,16 @@ def main() -> None:
     load_seconds = time.perf_counter() - start
     print(f"loaded {model_name} ({runtime.model_info()['quantization']}) in {load_seconds:.1f}s")
 
+    corpus = None
     if args.corpus is not None and args.corpus.exists():
         corpus = json.loads(args.corpus.read_text())
         if corpus["model"] != model_name:
             raise SystemExit(f"{args.corpus} holds answers of {corpus['model']}, not {model_name}")
         print(f"read {corpus['generated_tokens']} generated tokens ({len(corpus['sequences'])} answers) "
               f"from {args.corpus}")  # fmt: skip
-    else:
-        corpus = _generate_corpus(args, runtime, model_name)
+    if corpus is None or corpus["prompts"] < args.prompts:
+        more = _generate_corpus(args, runtime, model_name, first=0 if corpus is None else corpus["prompts"])
+        corpus = more if corpus is None else _extended(corpus, more, args.corpus)
         if args.corpus is not None:
             args.corpus.write_text(json.dumps(corpus))
     sequences, first_output, groups = corpus["sequences"], corpus["first_output"], corpus["groups"]

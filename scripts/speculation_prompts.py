@@ -329,7 +329,9 @@ def _conversational_prompts() -> list[str]:
 
 
 # The conversational set comes after the first one: a corpus answering the first N prompts stays a
-# prefix of a longer one (scripts/train_draft_heads.py --corpus extends it).
+# prefix of a longer one (scripts/train_draft_heads.py --corpus extends it). Training answers the first
+# set by default: heads trained on both did no better on CHAT_PROMPTS (docs/benchmarks.md).
+DEFAULT_TRAINING_PROMPTS = len(_training_prompts())
 TRAINING_PROMPTS: list[str] = _training_prompts() + _conversational_prompts()
 
 CHAT_PROMPTS: list[str] = [

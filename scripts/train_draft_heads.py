@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from speculation_prompts import TRAINING_PROMPTS
+from speculation_prompts import DEFAULT_TRAINING_PROMPTS, TRAINING_PROMPTS
 
 from jaxinfer.generate import generate
 from jaxinfer.registry import DEFAULT_MODEL
@@ -42,8 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--quantize", default="auto", choices=["auto", "none", "int8", "int4"])
     p.add_argument(
-        "--prompts", type=int, default=len(TRAINING_PROMPTS),
-        help=f"training prompts (at most {len(TRAINING_PROMPTS)})",
+        "--prompts", type=int, default=DEFAULT_TRAINING_PROMPTS,
+        help=f"training prompts (at most {len(TRAINING_PROMPTS)}: the conversational set after the first)",
     )  # fmt: skip
     p.add_argument("--max-tokens", type=int, default=256, help="tokens generated per answer")
     p.add_argument(

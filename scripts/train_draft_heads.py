@@ -122,16 +122,20 @@ def _generate_corpus(args: argparse.Namespace, runtime, model_name: str, first: 
     }
 
 
-def _extended(corpus: dict, more: dict, path: Path) -> dict:
-    """`corpus` followed by `more`, the answers to the prompts after its own, generated the same way."""
-    same = ("temperature", "max_tokens", "samples_per_prompt")
+def _check_extendable(corpus: dict, args: argparse.Namespace) -> None:
+    """Exits unless the answers to more prompts would be generated as `corpus`'s were."""
     # A corpus written before it recorded its samples per prompt holds the same number for each.
     corpus.setdefault("samples_per_prompt", corpus["answers"] // corpus["prompts"])
-    if any(corpus[k] != more[k] for k in same):
+    same = ("temperature", "max_tokens", "samples_per_prompt")
+    if any(corpus[k] != getattr(args, k) for k in same):
         raise SystemExit(
-            f"{path} was generated with " + ", ".join(f"{k} {corpus[k]}" for k in same)
+            f"{args.corpus} was generated with " + ", ".join(f"{k} {corpus[k]}" for k in same)
             + "; extend it with the same settings"
         )  # fmt: skip
+
+
+def _extended(corpus: dict, more: dict) -> dict:
+    """`corpus` followed by `more`, the answers to the prompts after its own."""
     summed = ("answers", "sampled_answers", "generated_tokens", "generate_seconds")
     listed = ("sequences", "first_output", "groups")
     return {
@@ -161,8 +165,10 @@ def main() -> None:
         print(f"read {corpus['generated_tokens']} generated tokens ({len(corpus['sequences'])} answers) "
               f"from {args.corpus}")  # fmt: skip
     if corpus is None or corpus["prompts"] < args.prompts:
+        if corpus is not None:
+            _check_extendable(corpus, args)
         more = _generate_corpus(args, runtime, model_name, first=0 if corpus is None else corpus["prompts"])
-        corpus = more if corpus is None else _extended(corpus, more, args.corpus)
+        corpus = more if corpus is None else _extended(corpus, more)
         if args.corpus is not None:
             args.corpus.write_text(json.dumps(corpus))
     sequences, first_output, groups = corpus["sequences"], corpus["first_output"], corpus["groups"]

@@ -109,7 +109,6 @@ def _generate_corpus(args: argparse.Namespace, runtime, model_name: str, first: 
     return {
         "model": model_name,
         "prompts": len(encoded),
-        "samples_per_prompt": args.samples_per_prompt,
         "answers": len(prompts),
         "sampled_answers": num_sampled,
         "temperature": args.temperature,
@@ -124,12 +123,13 @@ def _generate_corpus(args: argparse.Namespace, runtime, model_name: str, first: 
 
 def _check_extendable(corpus: dict, args: argparse.Namespace) -> None:
     """Exits unless the answers to more prompts would be generated as `corpus`'s were."""
-    # A corpus written before it recorded its samples per prompt holds the same number for each.
-    corpus.setdefault("samples_per_prompt", corpus["answers"] // corpus["prompts"])
-    same = ("temperature", "max_tokens", "samples_per_prompt")
-    if any(corpus[k] != getattr(args, k) for k in same):
+    settings = {
+        "temperature": corpus["temperature"], "max_tokens": corpus["max_tokens"],
+        "samples_per_prompt": corpus["answers"] // corpus["prompts"],
+    }  # fmt: skip
+    if any(value != getattr(args, k) for k, value in settings.items()):
         raise SystemExit(
-            f"{args.corpus} was generated with " + ", ".join(f"{k} {corpus[k]}" for k in same)
+            f"{args.corpus} was generated with " + ", ".join(f"{k} {v}" for k, v in settings.items())
             + "; extend it with the same settings"
         )  # fmt: skip
 

@@ -128,10 +128,21 @@ def test_the_embedded_smollm2_loads_its_q4_1_blocks_exactly():
 
 
 @pytest.mark.parametrize("isa", ISAS_HERE or ["none"])
-# 150 rows: enough for the kernel to quantise the activations over the thread pool.
+# Every row count that runs as one tile (1-5) and row groups with each remainder (6, 17); output blocks
+# of 16 in whole tiles of four and with a tail; 150 rows: enough for the kernel to quantise the
+# activations over the thread pool.
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "group_size"),
-    [(1, 48, 96, 32), (3, 64, 256, 128), (5, 80, 256, 128), (17, 112, 160, 32), (150, 48, 256, 128)],
+    [
+        (1, 48, 96, 32),
+        (2, 112, 160, 32),
+        (3, 64, 256, 128),
+        (4, 176, 128, 32),
+        (5, 80, 256, 128),
+        (6, 48, 96, 32),
+        (17, 112, 160, 32),
+        (150, 48, 256, 128),
+    ],
 )
 def test_native_int4_kernel_matches_its_reference(isa, rows, out_features, in_features, group_size):
     if isa == "none":
@@ -143,6 +154,22 @@ def test_native_int4_kernel_matches_its_reference(isa, rows, out_features, in_fe
     assert _rel(got, int4_matmul_cpu_reference(x, w)) < 1e-5
     # int8 activation blocks of 32 cost about 1% against the exact product of the 4-bit weight.
     assert _rel(got, x @ w.dequantize().T) < 3e-2
+
+
+@pytest.mark.parametrize("isa", ISAS_HERE or ["none"])
+def test_native_int4_kernel_gives_each_row_the_same_bits_at_any_row_count(isa):
+    """A verification step's rows and a batch's streams go through other tiles than one row alone; each
+    output must still be the one-row product bit for bit (speculative decoding's greedy output equals
+    plain decoding's only then)."""
+    if isa == "none":
+        pytest.skip(f"{platform.machine()} has neither AVX2 nor AVX-512 VNNI")
+    rng = np.random.default_rng(7)
+    w = pack_int4(_weight(rng, 368, 160, 32))  # 23 blocks of 16 outputs: whole tiles and a tail
+    x = jnp.asarray(rng.normal(size=(9, 160)), jnp.float32)
+    product = jax.jit(lambda x, w: int4_matmul_cpu(x, w, isa=isa))
+    alone = np.concatenate([np.asarray(product(x[i : i + 1], w)) for i in range(9)])
+    for rows in range(2, 10):
+        np.testing.assert_array_equal(np.asarray(product(x[:rows], w)), alone[:rows], err_msg=f"{rows} rows")
 
 
 def _q4_1_weight(rng) -> Int4Weight:

@@ -127,12 +127,12 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0) {
 
 constexpr int kRows = 4;
 constexpr int kBlocks = 2;
-// Fewer rows than a row tile (decode of a few streams): more output blocks per tile keep more
-// independent accumulator chains in flight while the weights stream from memory.
-constexpr int kBlocksFewRows = 4;
-// Five rows (a verification step of four drafts) in one tile: 10 accumulators, 10 totals, the unpacked
-// weights and broadcasts fit the 32 registers, and the weights are unpacked once instead of twice.
-constexpr bool kFiveRowTile = true;
+// Up to five rows (decode of a few streams, a verification step of up to four drafts) run as one tile
+// over four output blocks: the weights are unpacked once for all the rows, each activation broadcast
+// serves four blocks, and more independent accumulator chains stay in flight while the weights stream
+// from memory. Past 32 registers the compiler keeps the totals, touched once a block, on the stack.
+constexpr int kMaxOneTileRows = 5;
+constexpr int kBlocksOneTile = 4;
 
 #else  // AVX2
 
@@ -223,20 +223,16 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0) {
 
 constexpr int kRows = 2;
 constexpr int kBlocks = 1;
-constexpr int kBlocksFewRows = 1;
-constexpr bool kFiveRowTile = false;
+constexpr int kMaxOneTileRows = 2;
+constexpr int kBlocksOneTile = 1;
 
 #endif
 
 // Every row group over NB output blocks from nb0: the blocks' weights stay in L1/L2 across row groups.
 template <int NB, bool kFive>
 void Rows(const Problem& p, int64_t nb0) {
-  if constexpr (kFiveRowTile) {
-    if (p.m == 5) return Tile<5, NB, kFive>(p, 0, nb0);
-  }
   int64_t m = 0;
   for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB, kFive>(p, m, nb0);
-  // The rows left over share one pass over the weights too (a verification step's few rows).
   switch (p.m - m) {
     case 3: Tile<3, NB, kFive>(p, m, nb0); break;
     case 2: Tile<2, NB, kFive>(p, m, nb0); break;
@@ -244,12 +240,26 @@ void Rows(const Problem& p, int64_t nb0) {
   }
 }
 
+// All MR rows in one tile, output blocks [nb_begin, nb_end).
+template <int MR, bool kFive>
+void OneTile(const Problem& p, int64_t nb_begin, int64_t nb_end) {
+  int64_t nb = nb_begin;
+  for (; nb + kBlocksOneTile <= nb_end; nb += kBlocksOneTile) Tile<MR, kBlocksOneTile, kFive>(p, 0, nb);
+  for (; nb < nb_end; ++nb) Tile<MR, 1, kFive>(p, 0, nb);
+}
+
 template <bool kFive>
 void Columns(const Problem& p, int64_t nb_begin, int64_t nb_end) {
+  // std::min keeps the cases an ISA never takes (more rows than kMaxOneTileRows) from instantiating tiles
+  // too large for its registers.
+  switch (p.m <= kMaxOneTileRows ? p.m : 0) {
+    case 1: return OneTile<1, kFive>(p, nb_begin, nb_end);
+    case 2: return OneTile<std::min(2, kMaxOneTileRows), kFive>(p, nb_begin, nb_end);
+    case 3: return OneTile<std::min(3, kMaxOneTileRows), kFive>(p, nb_begin, nb_end);
+    case 4: return OneTile<std::min(4, kMaxOneTileRows), kFive>(p, nb_begin, nb_end);
+    case 5: return OneTile<std::min(5, kMaxOneTileRows), kFive>(p, nb_begin, nb_end);
+  }
   int64_t nb = nb_begin;
-  // Up to two rows: four output blocks per tile; three rows of four blocks would not fit the registers.
-  if (p.m <= 2)
-    for (; nb + kBlocksFewRows <= nb_end; nb += kBlocksFewRows) Rows<kBlocksFewRows, kFive>(p, nb);
   for (; nb + kBlocks <= nb_end; nb += kBlocks) Rows<kBlocks, kFive>(p, nb);
   for (; nb < nb_end; ++nb) Rows<1, kFive>(p, nb);
 }
@@ -296,7 +306,9 @@ ffi::Error Matmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer 
 
   const int64_t blocks = wd[0];
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_chunk = std::max<int64_t>(kBlocksFewRows, blocks / (4 * threads));
+  // Work items of whole tiles, about four per thread.
+  const int64_t per_chunk =
+      (std::max<int64_t>(1, blocks / (4 * threads)) + kBlocksOneTile - 1) / kBlocksOneTile * kBlocksOneTile;
   const int64_t chunks = (blocks + per_chunk - 1) / per_chunk;
   // Split from 512K multiply-adds, even at one row: a matrix-vector product is bound by memory, which one
   // core does not saturate, while waking the pool for a smaller one costs more than it saves (decode at

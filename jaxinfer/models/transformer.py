@@ -88,7 +88,11 @@ def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, j
     """positions: [batch, seq] -> cos, sin: [batch, seq, 1, head_dim] (half-split layout)."""
     angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [b, t, d/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    return jnp.cos(angles), jnp.sin(angles)
+    # Divided by one, as rms_norm divides: XLA:CPU then keeps the tables in buffers of their own instead
+    # of fusing cos and sin into every layer's rotation of q and of k, which evaluates them again for each
+    # head. The division changes no value (`0 * x` is not folded for floats).
+    one = 1.0 + 0.0 * angles
+    return jnp.cos(angles) / one, jnp.sin(angles) / one
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

@@ -7,8 +7,11 @@ measured in one run, alternating.
 Workloads (scripts/speculation_prompts.py), greedy, the model's chat template:
   code edit, 1 stream, n-gram drafts: a module to return with a variable renamed (the answer repeats
       its context);
-  chat, 1 stream, draft heads (when heads exist for the model): ordinary questions the heads were not
-      trained on, one at a time;
+  chat, 1 stream, n-gram and draft heads (when heads exist for the model): ordinary questions the
+      heads were not trained on, one at a time, all 16 by default. A prompt's ratio depends on the text
+      the model answers with (how much of it the heads guess), and a change of a float's last bit
+      anywhere in the model can change that text, so a few prompts say little: the geometric mean over
+      all of them is the figure to compare;
   chat, --streams streams, the server's default drafter: the adaptive switch must keep speculation
       from slowing a batch down.
 One engine serves both arms (the same programs, the same weights): `generate(..., speculation=None)`
@@ -83,7 +86,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--chat-prompts", type=int, default=4, help="one-stream chat prompts, run one at a time")
+    ap.add_argument(
+        "--chat-prompts", type=int, default=len(CHAT_PROMPTS), help="one-stream chat prompts, one at a time"
+    )
     ap.add_argument("--draft-heads", default=None)
     ap.add_argument(
         "--draft-min-probability", type=min_probabilities, default=SpeculationConfig.draft_min_probability,

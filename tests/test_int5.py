@@ -3,8 +3,6 @@ native CPU kernel's int5 form against its reference, and how a model holds and f
 
 from __future__ import annotations
 
-import platform
-
 import gguf
 import jax
 import jax.numpy as jnp
@@ -32,7 +30,7 @@ from jaxinfer.weight_formats import (
     format_name,
     quantize_int8,
 )
-from tests.test_int4 import ISAS_HERE
+from tests.test_int4 import ISA_CASES
 from tests.test_moe_int4 import _write_moe_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -73,13 +71,11 @@ def test_the_cpu_int5_packing_round_trips():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("isa", ISAS_HERE or ["none"])
+@pytest.mark.parametrize("isa", ISA_CASES)
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features"), [(1, 48, 96), (2, 80, 160), (5, 112, 224), (17, 32, 640)]
 )
 def test_native_int5_kernel_matches_its_reference(isa, rows, out_features, in_features):
-    if isa == "none":
-        pytest.skip(f"{platform.machine()} has neither AVX2 nor AVX-512 VNNI")
     rng = np.random.default_rng(rows)
     w = _weight(rng, out_features, in_features)
     x = jnp.asarray(rng.normal(size=(rows, in_features)), jnp.float32)
@@ -89,12 +85,10 @@ def test_native_int5_kernel_matches_its_reference(isa, rows, out_features, in_fe
     assert _rel(got, x @ w.dequantize().T) < 3e-2
 
 
-@pytest.mark.parametrize("isa", ISAS_HERE or ["none"])
+@pytest.mark.parametrize("isa", ISA_CASES)
 def test_native_int5_kernel_is_exact_at_the_largest_products(isa):
     """Every value 31 against activations that quantise to 127: the largest products the kernel sums
     (the AVX2 code's 16-bit pair sums would overflow if it widened them once per 32 inputs, as int4 does)."""
-    if isa == "none":
-        pytest.skip(f"{platform.machine()} has neither AVX2 nor AVX-512 VNNI")
     q = np.full((32, 128), 31, np.uint8)
     scale = np.full((32, 4), 0.5, np.float32)
     w = jax.tree.map(jnp.asarray, Int5Weight.from_values(q, scale, np.zeros_like(scale), 32))

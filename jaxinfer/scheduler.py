@@ -54,6 +54,7 @@ from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
 from jaxinfer.request import FinishReason, RequestError, SamplingParams
 from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod
+from jaxinfer.speculation.gate import DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
 from jaxinfer.structured_output import GrammarCompiler, Matcher, allow_all
 
@@ -144,14 +145,12 @@ class SequenceState:
     # grows, so a key once computed stays right, preemptions included).
     page_keys: list[PageHash] = dataclasses.field(default_factory=list)
     # Speculative decoding: the draft heads' latest proposal (after the last output token), the
-    # drafted and accepted totals, the recent accepted-per-step average and the steps left paused.
+    # drafted and accepted totals, and each drafter's adaptive switch.
     head_drafts: tuple[int, ...] = ()
     num_drafted: int = 0
     num_accepted: int = 0
-    accept_average: float = 0.0
-    speculation_paused: int = 0
-    next_pause: int = 0  # the length of the next pause: doubles while drafting keeps failing
-    drafting_steps: int = 0  # steps judged since drafting began or last resumed
+    lookup_gate: DraftGate = dataclasses.field(default_factory=DraftGate)
+    heads_gate: DraftGate = dataclasses.field(default_factory=DraftGate)
     lookup: NgramIndex | None = None  # prompt lookup over all_token_ids, made at its first draft
 
     @property
@@ -229,6 +228,8 @@ class SchedulerOutput:
     decode_owners: dict[int, Owner]  # slots in the decode batch
     # Slots whose row verifies drafts, and how many: their advance is known only from the result.
     num_drafts: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Which drafter proposed each of those rows' drafts: NGRAM (prompt lookup) or HEADS.
+    drafted_by: dict[int, SpeculativeMethod] = dataclasses.field(default_factory=dict)
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -351,7 +352,7 @@ class Scheduler:
         each step before planning the next."""
         speculating = self._speculation_on()
         return any(
-            r.slot is not None and (r.matcher is not None or (speculating and self._drafts_allowed(r)))
+            r.slot is not None and (r.matcher is not None or self._drafting(r, speculating))
             for r in self._requests.values()
         )
 
@@ -555,7 +556,7 @@ class Scheduler:
     def _wants_decode(self, seq: SequenceState) -> bool:
         """Running, not yet at max_tokens counting the tokens already dispatched, and, under a grammar,
         with every dispatched token read (its mask follows from them)."""
-        reads_first = seq.matcher is not None or (self._speculation_on() and self._drafts_allowed(seq))
+        reads_first = seq.matcher is not None or self._drafting(seq, self._speculation_on())
         return (
             seq.status is RequestStatus.RUNNING
             and seq.num_dispatched_outputs < seq.sampling.max_tokens
@@ -572,24 +573,35 @@ class Scheduler:
     def _heads_draft(self, seq: SequenceState, speculating: bool) -> bool:
         """Whether `seq` drafts with the engine's draft heads now (they propose its next drafts), where
         `speculating` is _speculation_on() for this step."""
-        return speculating and self._drafts_allowed(seq) and self._method(seq) is SpeculativeMethod.HEADS
+        return (
+            speculating
+            and self._drafts_allowed(seq)
+            and self._method(seq) is SpeculativeMethod.HEADS
+            and seq.heads_gate.is_open
+        )
+
+    def _drafting(self, seq: SequenceState, speculating: bool) -> bool:
+        """Whether a drafter of `seq` is on, prompt lookup or the heads: its next plan then needs its
+        last step's tokens (lookup continues them; the heads' proposal comes with them)."""
+        lookup = speculating and self._drafts_allowed(seq) and seq.lookup_gate.is_open
+        return lookup or self._heads_draft(seq, speculating)
 
     def _drafts_allowed(self, seq: SequenceState) -> bool:
-        """Whether `seq` may draft at all: speculation on for it, no grammar (its mask would have to
-        follow every draft), and not paused for low acceptance."""
+        """Whether `seq` may draft at all: speculation on for it and no grammar (its mask would have to
+        follow every draft). Each drafter also has its own pause (DraftGate)."""
         return (
             self._method(seq) is not SpeculativeMethod.OFF
             and seq.sampling.num_draft_tokens != 0
             and seq.matcher is None
-            and not seq.speculation_paused
         )
 
     def _speculation_on(self) -> bool:
         """The batch-size switch: speculate only while few requests decode (SpeculationConfig.max_rows)."""
         return self.speculation is not None and self.num_running <= self.speculation.max_rows
 
-    def _drafts(self, seq: SequenceState) -> list[int]:
-        """The tokens `seq` drafts for this step: never past max_tokens or the context."""
+    def _drafts(self, seq: SequenceState) -> tuple[list[int], SpeculativeMethod]:
+        """The tokens `seq` drafts for this step (never past max_tokens or the context) and the drafter
+        that proposed them: prompt lookup (NGRAM) or the heads."""
         config = self.speculation
         room = min(
             seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
@@ -597,16 +609,23 @@ class Scheduler:
         )
         k = min(config.num_draft_tokens, seq.sampling.num_draft_tokens or config.num_draft_tokens, room)
         if k <= 0:
-            return []
-        if seq.lookup is None:
-            seq.lookup = NgramIndex(config.ngram_max, config.ngram_min, seq.prompt_token_ids)
-        seq.lookup.extend(seq.output_token_ids[len(seq.lookup) - len(seq.prompt_token_ids) :])
-        looked_up = seq.lookup.propose(k)
-        if self._method(seq) is SpeculativeMethod.HEADS and not looked_up:
+            return [], SpeculativeMethod.OFF
+        if seq.lookup_gate.is_open:
             # Prompt lookup first: where the text repeats its context its drafts are right more often
-            # than the heads'. Else the heads' sure drafts, up to the first -1.
-            return list(itertools.takewhile(lambda t: t >= 0, seq.head_drafts[:k]))
-        return looked_up
+            # than the heads'.
+            if seq.lookup is None:
+                seq.lookup = NgramIndex(config.ngram_max, config.ngram_min, seq.prompt_token_ids)
+            seq.lookup.extend(seq.output_token_ids[len(seq.lookup) - len(seq.prompt_token_ids) :])
+            looked_up = seq.lookup.propose(k)
+            if looked_up:
+                return looked_up, SpeculativeMethod.NGRAM
+        # Else the heads' sure drafts, up to the first -1 (none unless they ran for the last step), while
+        # their gate is open: a row verifying drafts must keep a drafter open, as the serving loop plans
+        # that row's next step only after reading this one (its advance) while a drafter is open.
+        drafted = list(itertools.takewhile(lambda t: t >= 0, seq.head_drafts[:k]))
+        if self._method(seq) is SpeculativeMethod.HEADS and seq.heads_gate.is_open and drafted:
+            return drafted, SpeculativeMethod.HEADS
+        return [], SpeculativeMethod.OFF
 
     def _reserve_draft_pages(self, seq: SequenceState, num_drafts: int) -> int:
         """Pages for positions up to num_computed + num_drafts, as far as free pages allow (drafts never
@@ -614,38 +633,19 @@ class Scheduler:
         self._grow(seq, seq.num_computed + num_drafts)
         return min(num_drafts, len(seq.page_ids) * self.page_size - seq.num_computed - 1)
 
-    def _judge_drafting(self, seq: SequenceState, per_step: float) -> None:
-        """Folds one drafting step's accepted drafts (per full-width step) into the request's recent
-        average and pauses its drafting when the average falls below min_accepted."""
-        config = self.speculation
-        seq.drafting_steps += 1
-        seq.accept_average = 0.7 * seq.accept_average + 0.3 * per_step
-        enough = (
-            seq.num_drafted >= 4 * config.num_draft_tokens
-            or seq.drafting_steps >= 4 * config.num_draft_tokens
-        )
-        if seq.accept_average < config.min_accepted and enough:
-            # Paused, then tried again; a request whose drafts fail every time it tries waits twice as
-            # long each time (every verification step costs every row of the batch the wider step).
-            seq.speculation_paused = seq.next_pause or config.pause_steps
-            seq.next_pause = min(2 * seq.speculation_paused, 16 * config.pause_steps)
-            seq.accept_average = config.min_accepted  # a fresh start when it resumes
-            seq.drafting_steps = 0
-        elif per_step >= config.min_accepted:
-            seq.next_pause = 0
-
-    def _after_verification(self, seq: SequenceState, num_drafts: int, num_tokens: int) -> None:
-        """Counts a verification row's drafts and accepted tokens, pauses a request whose drafts keep
-        failing, and gives back the pages that only rejected drafts used."""
+    def _after_verification(
+        self, seq: SequenceState, num_drafts: int, num_tokens: int, drafter: SpeculativeMethod
+    ) -> None:
+        """Counts a verification row's drafts and accepted tokens, pauses the drafter that proposed them
+        when its drafts keep failing, and gives back the pages that only rejected drafts used."""
         accepted = max(num_tokens - 1, 0)
         seq.num_drafted += num_drafts
         seq.num_accepted += accepted
         self.num_draft_tokens += num_drafts
         self.num_accepted_tokens += accepted
         self.num_verify_rows += 1
-        # Per full-width step: a narrower step costs less (JaxEngine verifies the narrowest width that
-        # holds the drafts), so one draft accepted half the time pays as well as k accepted k / 2 times.
-        self._judge_drafting(seq, accepted * self.speculation.num_draft_tokens / max(num_drafts, 1))
+        gate = seq.heads_gate if drafter is SpeculativeMethod.HEADS else seq.lookup_gate
+        gate.judge(self.speculation, num_drafts, accepted)
         keep = self._pages_for(seq.num_computed + 1)
         if len(seq.page_ids) > keep:
             self.pool.free(seq.page_ids[keep:][::-1])
@@ -708,6 +708,7 @@ class Scheduler:
         constrained: list[tuple[Matcher, int]] = []
         speculating = self._speculation_on()
         drafts: dict[int, list[int]] = {}
+        drafted_by: dict[int, SpeculativeMethod] = {}
         heads_drafting = np.zeros(self.num_slots, bool)  # rows whose next drafts the heads propose
         for slot, seq in enumerate(self._slot_owner):
             if seq is None or not self._wants_decode(seq) or not self._grow(seq):
@@ -721,15 +722,19 @@ class Scheduler:
             if heads and seq.head_drafts and seq.head_drafts[0] < 0:
                 # The heads ran for this row last step and were sure of nothing: a step's cost for no
                 # drafts, judged as a step that accepted none (prompt lookup costs no device time).
-                self._judge_drafting(seq, 0.0)
-            proposed = self._drafts(seq) if speculating and self._drafts_allowed(seq) else []
-            heads_drafting[slot] = heads and not seq.speculation_paused
-            if seq.speculation_paused:
-                seq.speculation_paused -= 1
+                seq.heads_gate.judge(self.speculation, 0, 0)
+                heads = seq.heads_gate.is_open
+            proposed, drafter = [], SpeculativeMethod.OFF
+            if speculating and self._drafts_allowed(seq):
+                proposed, drafter = self._drafts(seq)
+            heads_drafting[slot] = heads
+            seq.lookup_gate.tick()
+            seq.heads_gate.tick()
             if proposed:
                 proposed = proposed[: self._reserve_draft_pages(seq, len(proposed))]
             if proposed:  # its advance is known from the result: num_computed moves then
                 drafts[slot] = proposed
+                drafted_by[slot] = drafter
             else:
                 seq.num_computed += 1
         batch = None
@@ -754,6 +759,7 @@ class Scheduler:
             prefill_owners=prefill_owners,
             decode_owners=decode_owners,
             num_drafts={slot: len(d) for slot, d in drafts.items()},
+            drafted_by=drafted_by,
         )
 
     def _add_chunk(
@@ -844,7 +850,9 @@ class Scheduler:
                     # Dispatch counted one output; steps dispatched since (a paused request does not
                     # wait for this result) have counted theirs on top.
                     seq.num_dispatched_outputs += count - 1
-                    self._after_verification(seq, scheduler_output.num_drafts[slot], count)
+                    self._after_verification(
+                        seq, scheduler_output.num_drafts[slot], count, scheduler_output.drafted_by[slot]
+                    )
                 if reason is not None:
                     finished.append(self._finish(seq, reason, **news.pop(seq.request_id).fields()))
                 else:

@@ -144,6 +144,7 @@ class MockEngine(Engine):
         self.prefill_log: list[tuple[tuple[int, int, int, bool], ...]] = []  # (slot, start, len, last)
         self.decode_log: list[tuple[int, ...]] = []  # slots listed in each decode step
         self.draft_log: list[dict[int, tuple[int, ...]]] = []  # each decode step's drafts per slot
+        self.heads_log: list[tuple[int, ...]] = []  # the slots each decode step's heads propose for
 
     @property
     def num_slots(self) -> int:
@@ -290,6 +291,10 @@ class MockEngine(Engine):
         )
         listed = tuple(int(i) for i in np.flatnonzero(batch.positions >= 0))
         self.decode_log.append(listed)
+        proposing = verify and self._draft_heads_depth > 0
+        self.heads_log.append(
+            tuple(s for s in listed if proposing and (batch.drafting is None or batch.drafting[s]))
+        )
         self.draft_log.append(
             {slot: tuple(int(d) for d in batch.drafts[slot] if d >= 0) for slot in listed} if verify else {}
         )

@@ -18,9 +18,9 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
 from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
-from jaxinfer.scheduler import Scheduler, SequenceState
 from jaxinfer.speculation.config import SpeculationConfig
 from jaxinfer.speculation.draft_heads import init_heads
+from jaxinfer.speculation.gate import DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
 from jaxinfer.structured_output import ALLOW_ALL, mask_words
 from jaxinfer.testing import FakeTokenizer, IdTokenizer, MockEngine, paged_cache_config
@@ -368,6 +368,43 @@ def test_a_paused_request_keeps_its_count_of_dispatched_tokens():
     assert result.num_draft_tokens > 0
 
 
+def test_heads_that_keep_failing_pause_while_prompt_lookup_drafts_on():
+    """Each drafter has its own pause: heads sure of nothing stop running for a while, and prompt lookup,
+    whose drafts the model keeps accepting, drafts on through their pause (one shared pause would stop
+    both, and drop the lookup's accepted drafts with the heads' failures)."""
+    tok = FakeTokenizer()
+    engine = MockEngine(num_slots=1, max_seq_len=200, vocab_size=tok.vocab_size, max_draft_tokens=2,
+                        draft_heads_depth=2, heads_unsure=True)  # fmt: skip
+    s = SamplingParams(seed=0, max_tokens=50, stop_token_ids=tok.eos_ids)
+    prompt = _mock_prompt(engine, s, 3, 60)  # lookup drafts the model's next tokens right
+    spec = SpeculationConfig(method="heads", num_draft_tokens=2, pause_steps=4, min_accepted=1.5)
+    (result,) = generate(engine, tok, [prompt], [s], speculation=spec)
+    assert result.token_ids == engine.reference_tokens(prompt, s)
+    steps = list(zip(engine.draft_log, engine.heads_log))
+    assert all(drafts.get(0) for drafts, _ in steps[:-1])  # every step but the last verifies lookup's drafts
+    assert any(0 in heads for _, heads in steps) and any(0 not in heads for _, heads in steps)
+    assert result.num_accepted_tokens == result.num_draft_tokens > 0
+
+
+def test_a_row_verifying_drafts_is_planned_again_only_after_its_result():
+    """Prompt lookup misled by its prompt (every token followed by a wrong one: its gate stays shut
+    after its first failures) and heads right two times in three, below min_accepted: their gate shuts
+    right after a verification whose step also proposed the next drafts. Those drafts must not go out
+    with both gates shut: the serving loop would then plan the row's next step before reading this one
+    (its advance), at a stale length (the mock engine raises). Output stays the plain output."""
+    tok = FakeTokenizer()
+    engine = MockEngine(num_slots=1, max_seq_len=400, vocab_size=tok.vocab_size, max_draft_tokens=3,
+                        draft_heads_depth=3)  # fmt: skip
+    s = SamplingParams(seed=0, max_tokens=80, stop_token_ids=tok.eos_ids)
+    prompt = [t for v in range(0, tok.vocab_size, 2) for t in (v, (v + 5) % tok.vocab_size)]
+    spec = SpeculationConfig(method="heads", num_draft_tokens=3, pause_steps=2, min_accepted=2.5,
+                             ngram_min=1)  # fmt: skip
+    (result,) = generate(engine, tok, [prompt], [s], speculation=spec)
+    assert result.token_ids == engine.reference_tokens(prompt, s)
+    assert any(0 not in heads for heads in engine.heads_log)  # the heads paused
+    assert result.num_draft_tokens > result.num_accepted_tokens > 0
+
+
 def test_speculation_stops_when_more_requests_decode_than_max_rows():
     tok = FakeTokenizer()
     engine = MockEngine(num_slots=4, max_seq_len=64, vocab_size=tok.vocab_size, max_draft_tokens=3)
@@ -417,12 +454,10 @@ def test_the_pause_prices_a_narrow_step_by_its_width():
     """One draft accepted every other step keeps drafting (a 1-draft verification costs little), where
     k drafts of which every other step accepts one pause: the average is per full-width step."""
     spec = SpeculationConfig(method="ngram", num_draft_tokens=4, min_accepted=0.5)
-    scheduler = Scheduler(num_slots=1, max_seq_len=64, max_prefill_chunk=16, page_size=8, num_pages=16,
-                          max_queue=1, speculation=spec)  # fmt: skip
     for drafts, paused in ((1, False), (4, True)):
-        seq = SequenceState("r", (1, 2), SamplingParams(), None)
+        gate = DraftGate()
         for step in range(40):
-            scheduler._after_verification(seq, drafts, 1 + step % 2)  # accepts 0, 1, 0, 1, ...
-            if seq.speculation_paused:
+            gate.judge(spec, drafts, step % 2)  # accepts 0, 1, 0, 1, ...
+            if not gate.is_open:
                 break
-        assert bool(seq.speculation_paused) is paused, drafts
+        assert gate.is_open is not paused, drafts

@@ -20,13 +20,14 @@ class SpeculationConfig:
     max_rows: speculate only while at most this many requests decode: past it a step is no longer
         bound by reading the weights, so verifying k + 1 positions per request costs about k + 1
         times a plain step and drafts stop paying (measured per backend: docs/benchmarks.md).
-    min_accepted: a request whose recent verification steps accept fewer drafts per step than this
-        (an exponential average; a step of d < k drafts counts its accepted drafts times k / d, as a
-        narrower verification costs less) stops drafting for `pause_steps` decode steps, then tries
-        again (each failed retry doubles the pause, up to 16x): a step that verifies drafts costs more
-        than a plain one, for every request in it, so drafts that keep failing slow the batch down.
-        A step whose draft heads ran for the request and were sure of nothing counts as a step that
-        accepted none: the heads cost the step their time.
+    min_accepted: a drafter (prompt lookup, or a request's heads) whose recent verification steps
+        accept fewer drafts per step than this (an exponential average; a step of d < k drafts counts
+        its accepted drafts times k / d, as a narrower verification costs less) stops drafting for that
+        request for `pause_steps` decode steps, then tries again (each failed retry doubles the pause,
+        up to 16x): a step that verifies drafts costs more than a plain one, for every request in it,
+        so drafts that keep failing slow the batch down. A step whose draft heads ran for the request
+        and were sure of nothing counts as a step that accepted none: the heads cost the step their
+        time. Each drafter pauses apart (speculation.gate).
     ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
     draft_min_probability: draft heads draft while their guess is at least this likely under them
         (draft_heads.propose), one threshold per depth (the last for every deeper draft): on CPU a

@@ -3,7 +3,7 @@
 TRAINING_PROMPTS: a few hundred varied chat requests (explanations, how-tos, essays, lists, code in
 several languages, summaries, comparisons, advice, stories, letters), built from topic lists x
 instruction templates in a fixed shuffled order, so the first N of them are a varied sample; then a
-second, conversational set (DEFAULT_TRAINING_PROMPTS: how many the first set holds).
+second, conversational set (DEFAULT_TRAINING_PROMPTS: how many training answers by default, both sets).
 CHAT_PROMPTS: 16 hand-written ordinary chat requests whose topics and phrasings the training set does
 not use, so a benchmark on them measures the heads on text they were not fitted to.
 CODE_EDIT_PROMPT: ~40 lines of Python to return edited in full: the answer repeats its context, the
@@ -330,11 +330,12 @@ def _conversational_prompts() -> list[str]:
 
 
 # The conversational set comes after the first one: a corpus answering the first N prompts stays a
-# prefix of a longer one (scripts/train_draft_heads.py --corpus extends it). Training answers the first
-# set by default: heads trained on both did no better on CHAT_PROMPTS (docs/benchmarks.md).
+# prefix of a longer one (scripts/train_draft_heads.py --corpus extends it). Training answers both sets
+# by default: over all 16 CHAT_PROMPTS those heads do better than heads of the first set alone
+# (docs/benchmarks.md).
 _FIRST_SET = _training_prompts()
-DEFAULT_TRAINING_PROMPTS = len(_FIRST_SET)
 TRAINING_PROMPTS: list[str] = _FIRST_SET + _conversational_prompts()
+DEFAULT_TRAINING_PROMPTS = len(TRAINING_PROMPTS)
 
 CHAT_PROMPTS: list[str] = [
     "What's a good way to remember people's names after meeting them once?",

@@ -1,7 +1,7 @@
 """Trains draft heads for speculative decoding on text the target model generates itself.
 
-    .venv/bin/python scripts/train_draft_heads.py [--model smollm2-135m-instruct] [--prompts 436]
-        [--samples-per-prompt 4] [--max-tokens 256] [--steps 1600] [--corpus FILE] [--out DIR]
+    .venv/bin/python scripts/train_draft_heads.py [--model smollm2-135m-instruct] [--prompts 666]
+        [--samples-per-prompt 4] [--max-tokens 256] [--steps 2400] [--corpus FILE] [--out DIR]
 
 1. builds the runtime as `jaxinfer generate` would (--quantize auto: the weights the engine serves);
 2. answers the first --prompts of speculation_prompts.TRAINING_PROMPTS with the target itself, 48 at a
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=1600)
+    p.add_argument("--steps", type=int, default=2400)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--learning-rate", type=float, default=3e-3)
     p.add_argument("--freeze-output", action="store_true", help="keep the target's output rows as they are")

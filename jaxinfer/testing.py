@@ -293,7 +293,7 @@ class MockEngine(Engine):
         self.decode_log.append(listed)
         proposing = verify and self._draft_heads_depth > 0
         self.heads_log.append(
-            tuple(s for s in listed if proposing and (batch.drafting is None or batch.drafting[s]))
+            tuple(i for i in listed if proposing and (batch.drafting is None or batch.drafting[i]))
         )
         self.draft_log.append(
             {slot: tuple(int(d) for d in batch.drafts[slot] if d >= 0) for slot in listed} if verify else {}

@@ -599,9 +599,10 @@ class Scheduler:
         """The batch-size switch: speculate only while few requests decode (SpeculationConfig.max_rows)."""
         return self.speculation is not None and self.num_running <= self.speculation.max_rows
 
-    def _drafts(self, seq: SequenceState) -> tuple[list[int], SpeculativeMethod]:
+    def _drafts(self, seq: SequenceState, heads: bool) -> tuple[list[int], SpeculativeMethod]:
         """The tokens `seq` drafts for this step (never past max_tokens or the context) and the drafter
-        that proposed them: prompt lookup (NGRAM) or the heads."""
+        that proposed them: prompt lookup (NGRAM) or the heads, where `heads` (_heads_draft: their
+        gate open) lets the heads' drafts go out."""
         config = self.speculation
         room = min(
             seq.sampling.max_tokens - len(seq.output_token_ids) - 1,
@@ -623,7 +624,7 @@ class Scheduler:
         # their gate is open: a row verifying drafts must keep a drafter open, as the serving loop plans
         # that row's next step only after reading this one (its advance) while a drafter is open.
         drafted = list(itertools.takewhile(lambda t: t >= 0, seq.head_drafts[:k]))
-        if self._method(seq) is SpeculativeMethod.HEADS and seq.heads_gate.is_open and drafted:
+        if heads and drafted:
             return drafted, SpeculativeMethod.HEADS
         return [], SpeculativeMethod.OFF
 
@@ -726,7 +727,7 @@ class Scheduler:
                 heads = seq.heads_gate.is_open
             proposed, drafter = [], SpeculativeMethod.OFF
             if speculating and self._drafts_allowed(seq):
-                proposed, drafter = self._drafts(seq)
+                proposed, drafter = self._drafts(seq, heads)
             heads_drafting[slot] = heads
             seq.lookup_gate.tick()
             seq.heads_gate.tick()

@@ -286,15 +286,12 @@ class MockEngine(Engine):
         verify = batch.drafts is not None
         if verify and not 0 < batch.drafts.shape[1] <= self._max_draft_tokens:
             raise ValueError(f"{batch.drafts.shape[1]} drafts per row, {self._max_draft_tokens=}")
-        out = self._empty_output(
-            batch.drafts.shape[1] + 1 if verify else 1, heads=verify and self._draft_heads_depth > 0
-        )
+        heads = verify and self._draft_heads_depth > 0
+        out = self._empty_output(batch.drafts.shape[1] + 1 if verify else 1, heads=heads)
         listed = tuple(int(i) for i in np.flatnonzero(batch.positions >= 0))
         self.decode_log.append(listed)
-        proposing = verify and self._draft_heads_depth > 0
-        self.heads_log.append(
-            tuple(i for i in listed if proposing and (batch.drafting is None or batch.drafting[i]))
-        )
+        proposing = tuple(i for i in listed if heads and (batch.drafting is None or batch.drafting[i]))
+        self.heads_log.append(proposing)
         self.draft_log.append(
             {slot: tuple(int(d) for d in batch.drafts[slot] if d >= 0) for slot in listed} if verify else {}
         )
@@ -317,7 +314,7 @@ class MockEngine(Engine):
                 token = self._sample_into(out, slot, mask)
                 if token != draft or not s.active:
                     break
-            if batch.drafting is None or batch.drafting[slot]:
+            if slot in proposing:
                 self._propose(out, slot)
         return self._dispatch(out, is_decode=True)
 

@@ -366,8 +366,9 @@ def test_openai_backend_over_http_gives_the_grpc_report(capsys, tmp_path, keyed_
         for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
             _check_stats(result[key])
         assert math.isclose(result["output_throughput"], result["total_output_tokens"] / result["duration_s"])
-    # The MockEngine decodes a step every 4 ms: the gaps between HTTP chunks are about that.
-    assert 2 <= run["itl_ms"]["p50"] < 100
+    # The MockEngine decodes a step every 4 ms: the gaps between HTTP chunks average about that. (A
+    # loaded client reads several chunks at once, so the median gap may be near zero; the mean cannot.)
+    assert 2 <= run["itl_ms"]["mean"] < 100
     # Warm-up and measured requests of both runs ran on the server, to their max_tokens.
     assert keyed_server.orchestrator.stats()["finished"]["length"] - finished_before == 2 * (2 + 16)
 

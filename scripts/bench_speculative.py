@@ -37,7 +37,12 @@ from jaxinfer.cpu_kernels.native_build import cpu_description  # noqa: E402
 from jaxinfer.generate import generate  # noqa: E402
 from jaxinfer.request import SamplingParams, with_eos  # noqa: E402
 from jaxinfer.runtime import RuntimeOptions, build_runtime  # noqa: E402
-from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod, min_probabilities  # noqa: E402
+from jaxinfer.speculation.config import (  # noqa: E402
+    SpeculationConfig,
+    SpeculativeMethod,
+    default_max_rows,
+    min_probabilities,
+)
 
 
 def run(runtime, prompts, sampling, speculation):
@@ -109,6 +114,7 @@ def main() -> None:
     config = SpeculationConfig(
         method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens,
         min_accepted=args.min_accepted, draft_min_probability=args.draft_min_probability,
+        max_rows=default_max_rows(),
     )  # fmt: skip
     options = RuntimeOptions(
         model=args.model, quantize=args.quantize, num_slots=args.streams, speculation=config,
@@ -116,7 +122,8 @@ def main() -> None:
     )  # fmt: skip
     runtime = build_runtime(options)
     print(
-        f"warm-up {runtime.engine.warmup():.1f} s; draft heads: {runtime.engine.draft_heads_depth or 'none'}"
+        f"warm-up {runtime.engine.warmup():.1f} s; draft heads: {runtime.engine.draft_heads_depth or 'none'};"
+        f" speculation up to {config.max_rows} decoding requests (default_max_rows)"
     )
     tok = runtime.tokenizer
     sampling = with_eos(SamplingParams(temperature=0, max_tokens=args.max_tokens), tok.eos_ids)

@@ -18,7 +18,7 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
 from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
-from jaxinfer.speculation.config import SpeculationConfig
+from jaxinfer.speculation.config import SpeculationConfig, default_max_rows
 from jaxinfer.speculation.draft_heads import init_heads
 from jaxinfer.speculation.gate import DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
@@ -417,6 +417,24 @@ def test_speculation_stops_when_more_requests_decode_than_max_rows():
     verified = [listed for listed, drafts in zip(engine.decode_log, engine.draft_log) if drafts]
     assert verified  # it ran once two requests had finished
     assert all(len(listed) <= 2 for listed in verified)  # and only while at most two decoded
+
+
+def test_a_servers_batch_switch_defaults_to_its_backends_measured_crossover(monkeypatch):
+    from jaxinfer.cli import _runtime_options, build_parser
+    from jaxinfer.cpu_kernels import native_build
+
+    def options(*flags: str) -> SpeculationConfig:
+        args = build_parser().parse_args(["generate", "--speculative", "ngram", *flags, "hello"])
+        return _runtime_options(args).speculation
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    for isa, rows in ((native_build.AVX512_VNNI, 4), (native_build.AVX2, 1), (None, 1)):
+        monkeypatch.setattr(native_build, "best_isa", lambda isa=isa: isa)
+        assert default_max_rows() == rows, isa
+        assert options().max_rows == rows, isa
+        assert options("--speculative-max-rows", "3").max_rows == 3  # the flag wins
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert default_max_rows() == 4
 
 
 def test_a_request_cannot_ask_for_what_the_server_lacks():

@@ -19,7 +19,8 @@ class SpeculationConfig:
     num_draft_tokens: drafts verified per step and request (the engine's verification width - 1).
     max_rows: speculate only while at most this many requests decode: past it a step is no longer
         bound by reading the weights, so verifying k + 1 positions per request costs about k + 1
-        times a plain step and drafts stop paying (measured per backend: docs/benchmarks.md).
+        times a plain step and drafts stop paying. A server's default is default_max_rows(), the
+        crossover measured on its backend.
     min_accepted: a drafter (prompt lookup, or a request's heads) whose recent verification steps
         accept fewer drafts per step than this (an exponential average; a step of d < k drafts counts
         its accepted drafts times k / d, as a narrower verification costs less) stops drafting for that
@@ -53,6 +54,23 @@ class SpeculationConfig:
             )
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min={self.ngram_min} <= ngram_max={self.ngram_max}")
+
+
+def default_max_rows() -> int:
+    """Up to how many decoding requests verifying drafts pays on this backend, as measured with
+    `scripts/bench_speculative.py --crossover` (docs/benchmarks.md). On CPU it is the native kernels'
+    multiply throughput that decides: with AVX-512 VNNI a 5-position verification step of SmolLM2 stays
+    near a plain step's cost up to four requests (the code edit: 1.55x at four, 0.78x at eight); with
+    AVX2 alone, one row already keeps the multipliers busy, so a step's cost grows with every verified
+    position (the code edit: 1.09x at one request, 0.88x at two); a CPU without the native kernels is
+    slower per row still. Accelerators keep the larger value until one is measured."""
+    import jax
+
+    from jaxinfer.cpu_kernels.native_build import AVX2, best_isa
+
+    if jax.default_backend() != "cpu":
+        return 4
+    return 1 if best_isa() in (AVX2, None) else 4
 
 
 def min_probabilities(value: float | str | Sequence[float]) -> tuple[float, ...]:

@@ -722,17 +722,12 @@ class Scheduler:
             heads = self._heads_draft(seq, speculating)
             if heads and seq.head_drafts and seq.head_drafts[0] < 0:
                 # The heads ran for this row last step and were sure of nothing: a step's cost for no
-                # drafts, judged as a step that accepted none.
+                # drafts, judged as a step that accepted none (prompt lookup costs no device time).
                 seq.heads_gate.judge(self.speculation, 0, 0)
                 heads = seq.heads_gate.is_open
             proposed, drafter = [], SpeculativeMethod.OFF
             if speculating and self._drafts_allowed(seq):
-                lookup_open = seq.lookup_gate.is_open
                 proposed, drafter = self._drafts(seq, heads)
-                if lookup_open and not heads and drafter is SpeculativeMethod.OFF:
-                    # Lookup found nothing and no heads wait on this step's result: where lookup rarely
-                    # matches it pauses, and the steps pipeline again (DraftGate.idle).
-                    seq.lookup_gate.idle(self.speculation)
             heads_drafting[slot] = heads
             seq.lookup_gate.tick()
             seq.heads_gate.tick()

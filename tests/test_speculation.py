@@ -336,36 +336,14 @@ def test_drafts_that_keep_failing_pause_and_resume():
     tok = FakeTokenizer()
     engine = MockEngine(num_slots=1, max_seq_len=200, vocab_size=tok.vocab_size, max_draft_tokens=2)
     s = SamplingParams(seed=0, max_tokens=60, stop_token_ids=tok.eos_ids)
-    # The model counts up from 7 (last + 1); the prompt says each of those numbers is followed by 90.
-    prompt = [t for n in range(7, 67) for t in (n, 90)] + [5, 6]
+    # The model continues with last + 1; the prompt says "5 6" is followed by 40 (and "6 40" by 5).
+    prompt = [5, 6, 40] * 5 + [5, 6]
     spec = SpeculationConfig(method="ngram", num_draft_tokens=2, min_accepted=0.5, pause_steps=6, ngram_min=1)
     (result,) = generate(engine, tok, [prompt], [s], speculation=spec)
     assert result.token_ids == engine.reference_tokens(prompt, s)
     verify_steps = sum(1 for drafts in engine.draft_log if drafts)
     assert 0 < verify_steps < len(engine.decode_log) - 6  # paused for at least one spell of 6 steps
     assert result.num_draft_tokens > 0 and result.num_accepted_tokens < result.num_draft_tokens / 2
-
-
-def test_a_lookup_that_finds_nothing_lets_the_steps_pipeline_again(monkeypatch):
-    """Prompt lookup open without a match costs no device time, but while a drafter is open the serving
-    loop reads each step before planning the next: lookup pauses (DraftGate.idle), and the request's
-    steps go out ahead of their predecessors' results again."""
-    from jaxinfer.scheduler import Scheduler
-
-    waits = []
-    needs_results_first = Scheduler.needs_results_first
-    monkeypatch.setattr(
-        Scheduler, "needs_results_first", lambda self: waits.append(needs_results_first(self)) or waits[-1]
-    )
-    tok = FakeTokenizer()
-    engine = MockEngine(num_slots=1, max_seq_len=200, vocab_size=tok.vocab_size, max_draft_tokens=2)
-    s = SamplingParams(seed=0, max_tokens=60, stop_token_ids=tok.eos_ids)
-    prompt = [5, 5, 5, 5, 9]  # the model counts up from 9: no 2-gram of its answer occurs before it
-    spec = SpeculationConfig(method="ngram", num_draft_tokens=2, pause_steps=6)
-    (result,) = generate(engine, tok, [prompt], [s], speculation=spec)
-    assert result.token_ids == engine.reference_tokens(prompt, s)
-    assert result.num_draft_tokens == 0
-    assert waits.count(False) > waits.count(True) > 0  # lookup was tried, then mostly paused
 
 
 def test_a_paused_request_keeps_its_count_of_dispatched_tokens():
@@ -488,26 +466,6 @@ def test_greedy_speculation_with_the_native_kernels():
         fast = generate(engine, tok, prompts, sampling, speculation=spec)
         assert [c.token_ids for c in fast] == [c.token_ids for c in plain], method
         assert sum(c.num_draft_tokens for c in fast) > 0
-
-
-def test_an_idle_drafter_pauses_after_evidence_and_then_at_its_first_idle_retry():
-    spec = SpeculationConfig(method="ngram", num_draft_tokens=4, min_accepted=0.5, pause_steps=8)
-    gate = DraftGate()
-    idle_steps = 0
-    while gate.is_open:
-        gate.idle(spec)
-        idle_steps += 1
-    assert (idle_steps, gate.paused) == (16, 8)  # 4k steps of evidence before the first pause
-    for _ in range(8):
-        gate.tick()
-    assert gate.is_open
-    gate.idle(spec)
-    assert gate.paused == 16  # back from a pause, one idle step pauses it again, twice as long
-    for _ in range(16):
-        gate.tick()
-    gate.judge(spec, 4, 3)  # drafts that pay
-    gate.idle(spec)
-    assert gate.is_open  # redeemed: idle steps need evidence again
 
 
 def test_the_pause_prices_a_narrow_step_by_its_width():

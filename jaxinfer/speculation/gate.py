@@ -42,27 +42,14 @@ class DraftGate:
         self.average = 0.7 * self.average + 0.3 * per_step
         enough = self.drafted >= 4 * config.num_draft_tokens or self.steps >= 4 * config.num_draft_tokens
         if self.average < config.min_accepted and enough:
-            self._pause(config)
+            # Paused, then tried again; a drafter that fails every time it tries waits twice as long
+            # each time (every verification step costs every row of the batch the wider step).
+            self.paused = self.next_pause or config.pause_steps
+            self.next_pause = min(2 * self.paused, 16 * config.pause_steps)
+            self.average = config.min_accepted  # a fresh start when it resumes
+            self.steps = 0
         elif per_step >= config.min_accepted:
             self.next_pause = 0
-
-    def idle(self, config: SpeculationConfig) -> None:
-        """A step the drafter was open for and proposed nothing (prompt lookup without a match): no
-        device time, but while a drafter is open the serving loop reads each step before planning the
-        next, so the host's work no longer overlaps the device's. Judged as a step that accepted none,
-        and a drafter back from a pause that has not drafted well since pauses again at once."""
-        retrying = self.next_pause > 0
-        self.judge(config, 0, 0)
-        if retrying and self.is_open and self.average < config.min_accepted:
-            self._pause(config)
-
-    def _pause(self, config: SpeculationConfig) -> None:
-        # Paused, then tried again; a drafter that fails every time it tries waits twice as long each
-        # time (every verification step costs every row of the batch the wider step).
-        self.paused = self.next_pause or config.pause_steps
-        self.next_pause = min(2 * self.paused, 16 * config.pause_steps)
-        self.average = config.min_accepted  # a fresh start when it resumes
-        self.steps = 0
 
     def tick(self) -> None:
         """One decode step planned for the request: a pause runs one step shorter."""

@@ -68,9 +68,9 @@ def default_max_rows() -> int:
 
     from jaxinfer.cpu_kernels.native_build import AVX2, best_isa
 
-    if jax.default_backend() != "cpu":
-        return 4
-    return 1 if best_isa() in (AVX2, None) else 4
+    if jax.default_backend() == "cpu" and best_isa() in (AVX2, None):
+        return 1
+    return SpeculationConfig.max_rows
 
 
 def min_probabilities(value: float | str | Sequence[float]) -> tuple[float, ...]:

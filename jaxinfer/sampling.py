@@ -3,7 +3,10 @@ top-p, min-p, seeded; and the log-probabilities a request asks for.
 
 Every slot carries its own settings as arrays, so one compiled step serves any mix of requests.
 Randomness: token i of a request uses key fold_in(fold_in(fold_in(key(0), seed_hi), seed_lo), i), so a
-seeded request gives the same tokens whatever else is batched with it.
+seeded request gives the same tokens whatever else is batched with it. The key is expanded into noise
+words by a hash of (key, counter) (_noise_bits) rather than by threefry: XLA:CPU compiles threefry over
+a vector slowly (~0.3 s a draw, most of the sampled branch), and the noise needs no more than a
+well-mixed counter stream.
 
 Filters are exact for top_k <= CANDIDATES. The top-p nucleus is searched among the CANDIDATES most likely
 tokens: when those hold less than top_p of the mass the nucleus stops there (a vocabulary tail past the
@@ -92,9 +95,39 @@ def token_logprobs(
 
 
 def _slot_key(seed: jax.Array, step: jax.Array) -> jax.Array:
+    """The key of one token of one request: uint32 [2]."""
     key = jax.random.fold_in(jax.random.key(0), seed[0])
     key = jax.random.fold_in(key, seed[1])
-    return jax.random.fold_in(key, step)
+    return jax.random.key_data(jax.random.fold_in(key, step))
+
+
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: spreads consecutive counters over the words
+
+
+def _fmix32(x: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finaliser: a bijection of uint32 in which every input bit flips each output
+    bit with probability ~1/2."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _noise_bits(keys: jax.Array, width: int, stream: int = 0) -> jax.Array:
+    """uint32 [n, width]: word i of each key's (keys: uint32 [n, 2]) stream `stream`. Distinct
+    counters give distinct words (two bijections of the counter), and each key word is mixed in
+    through a full avalanche."""
+    counter = jnp.arange(width, dtype=jnp.uint32)[None] * jnp.uint32(_GOLDEN)
+    first = _fmix32(counter ^ keys[:, :1])
+    return _fmix32(first ^ (keys[:, 1:] + jnp.uint32((stream * _GOLDEN) & 0xFFFFFFFF)))
+
+
+def _uniform(keys: jax.Array, width: int, stream: int = 0) -> jax.Array:
+    """float32 [n, width] in (0, 1): the top 23 bits of each noise word, centred in their interval.
+    Not 24: the top value 1 - 2^-25 would round to 1.0 in float32, and -log(-log(1)) is infinite."""
+    bits = (_noise_bits(keys, width, stream) >> 9).astype(jnp.float32)
+    return (bits + 0.5) * (1.0 / (1 << 23))
 
 
 def _filter(logits: jax.Array, s: SlotSampling) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -150,7 +183,7 @@ def _filtered_sample(
     exclude = jnp.full(logits.shape[:1], -1, jnp.int32) if exclude is None else exclude
 
     def gumbel(width: int) -> jax.Array:
-        return jax.vmap(lambda key: jax.random.gumbel(key, (width,), jnp.float32))(keys)
+        return -jnp.log(-jnp.log(_uniform(keys, width)))
 
     kept = jnp.where((top_vals >= threshold) & (top_ids != exclude[:, None]), top_vals, -jnp.inf)
     pick = jnp.argmax(kept + gumbel(num_cand), axis=-1)
@@ -325,10 +358,8 @@ def _verify_adjusted(logits, targets, counts, s, steps, mask) -> tuple[jax.Array
         draws = _filtered_sample(flat, s_rows, flat_steps, exclude=flat_targets).reshape(n, t)
         p = filtered_probability(flat, s_rows, flat_targets).reshape(n, t)
         # The acceptance draw's stream is independent of the Gumbel noise of the same position.
-        keys = jax.vmap(lambda seed, step: jax.random.fold_in(_slot_key(seed, step), 1))(
-            s_rows.seed, flat_steps
-        )
-        u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32))(keys).reshape(n, t)
+        keys = jax.vmap(_slot_key)(s_rows.seed, flat_steps)
+        u = _uniform(keys, 1, stream=1).reshape(n, t)
         return draws, u < p
 
     is_sampled = (s.temperature > 0)[:, None]

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from scipy import stats
 
 from jaxinfer.request import SamplingParams
 from jaxinfer.sampling import (
@@ -202,6 +203,46 @@ def test_per_slot_settings_do_not_leak_between_slots(logits):
         counts = jnp.zeros((2, VOCAB), jnp.int32)
         tokens = np.asarray(sample(rows, counts, s, jnp.zeros(2, jnp.int32), _allow_all(2, VOCAB)))
         assert tokens[0] == np.argmax(logits) and tokens[1] in top2
+
+
+def test_noise_is_uniform_and_uncorrelated_across_counters_keys_and_streams():
+    from jaxinfer import sampling
+    from jaxinfer.sampling import _slot_key, _uniform
+
+    # Consecutive steps of one seed, and one step of consecutive seeds: the keys least apart.
+    steps = jnp.arange(64, dtype=jnp.int32)
+    seeds = jnp.stack([jnp.zeros(64, jnp.uint32), jnp.arange(64, dtype=jnp.uint32)], axis=1)
+    keys = jnp.concatenate(
+        [jax.vmap(_slot_key)(jnp.zeros((64, 2), jnp.uint32), steps), jax.vmap(_slot_key)(seeds, steps * 0)]
+    )
+    u = np.asarray(_uniform(keys, 4096), np.float64)  # [128 keys, 4096 counters]
+    assert 0 < u.min() and u.max() < 1
+    n = u.size
+    # Mean and variance of U(0, 1) within ~5 standard errors; every decile holds a tenth.
+    assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / n)
+    assert abs(u.var() - 1 / 12) < 5 * np.sqrt(1 / 180 / n)
+    deciles = np.bincount((u * 10).astype(int).ravel(), minlength=10)
+    assert stats.chisquare(deciles).pvalue > 1e-3
+
+    def correlation(a, b):
+        return np.corrcoef(a.ravel(), b.ravel())[0, 1]
+
+    bound = 5 / np.sqrt(n // 2)
+    assert abs(correlation(u[:, :-1], u[:, 1:])) < bound  # neighbouring counters
+    assert abs(correlation(u[:-1], u[1:])) < bound  # neighbouring keys: steps and seeds
+    other = np.asarray(_uniform(keys, 4096, stream=1), np.float64)
+    assert abs(correlation(u, other)) < bound  # the acceptance stream against the Gumbel noise
+
+    # The extreme words stay inside (0, 1), so the Gumbel noise -log(-log(u)) is finite.
+    for word in (0, 0xFFFFFFFF):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(
+                sampling,
+                "_noise_bits",
+                lambda keys, width, stream=0, word=word: jnp.full((1, 1), word, jnp.uint32),
+            )
+            extreme = float(_uniform(keys[:1], 1)[0, 0])
+        assert 0 < extreme < 1 and np.isfinite(np.log(-np.log(extreme))), word
 
 
 def test_seed_split_round_trips_64_bits():

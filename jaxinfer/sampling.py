@@ -164,9 +164,10 @@ def _filter(logits: jax.Array, s: SlotSampling) -> tuple[jax.Array, jax.Array, j
 
 
 def _filtered_sample(
-    logits: jax.Array, s: SlotSampling, steps: jax.Array, exclude: jax.Array | None = None
+    logits: jax.Array, s: SlotSampling, keys: jax.Array, exclude: jax.Array | None = None
 ) -> jax.Array:
-    """A draw from each slot's filtered distribution (_filter) by Gumbel-max.
+    """A draw from each slot's filtered distribution (_filter) by Gumbel-max, with the noise of
+    each slot's token key (keys: uint32 [slots, 2], _slot_key).
 
     exclude: [slots] int32, a token each slot must not draw (-1: none), removed after the threshold
     is set: a draw from the filtered distribution with that token's mass taken out and the rest
@@ -179,7 +180,6 @@ def _filtered_sample(
     """
     scaled, threshold, top_vals, top_ids = _filter(logits, s)
     num_cand = top_vals.shape[-1]
-    keys = jax.vmap(_slot_key)(s.seed, steps)
     exclude = jnp.full(logits.shape[:1], -1, jnp.int32) if exclude is None else exclude
 
     def gumbel(width: int) -> jax.Array:
@@ -353,12 +353,12 @@ def _verify_adjusted(logits, targets, counts, s, steps, mask) -> tuple[jax.Array
     flat_steps = (steps[:, None] + jnp.arange(t, dtype=steps.dtype)).reshape(-1)
 
     def sampled() -> tuple[jax.Array, jax.Array]:
+        keys = jax.vmap(_slot_key)(s_rows.seed, flat_steps)
         if t == 1:  # nothing to verify (a plain decode step): a plain draw
-            return _filtered_sample(flat, s_rows, flat_steps).reshape(n, t), jnp.zeros((n, t), bool)
-        draws = _filtered_sample(flat, s_rows, flat_steps, exclude=flat_targets).reshape(n, t)
+            return _filtered_sample(flat, s_rows, keys).reshape(n, t), jnp.zeros((n, t), bool)
+        draws = _filtered_sample(flat, s_rows, keys, exclude=flat_targets).reshape(n, t)
         p = filtered_probability(flat, s_rows, flat_targets).reshape(n, t)
         # The acceptance draw's stream is independent of the Gumbel noise of the same position.
-        keys = jax.vmap(_slot_key)(s_rows.seed, flat_steps)
         u = _uniform(keys, 1, stream=1).reshape(n, t)
         return draws, u < p
 

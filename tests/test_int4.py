@@ -135,12 +135,13 @@ def test_the_embedded_smollm2_loads_its_q4_1_blocks_exactly():
 
 @pytest.mark.parametrize("isa", ISA_CASES)
 # Every row count that runs as one tile (1-5) and row groups with each remainder (6, 17); output blocks
-# of 16 in whole tiles of four and with a tail; 150 rows: enough for the kernel to quantise the
-# activations over the thread pool.
+# of 16 in whole tiles of four and with a tail; one row over enough weights to be split over the thread
+# pool (and prefetched ahead); 150 rows: enough for the kernel to quantise the activations over the pool.
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "group_size"),
     [
         (1, 48, 96, 32),
+        (1, 2064, 288, 32),
         (2, 112, 160, 32),
         (3, 64, 256, 128),
         (4, 176, 128, 32),

@@ -160,12 +160,14 @@ inline __m256i FifthBits(uint32_t bits) {
 constexpr int kPrefetchAhead = 1024;
 
 // Chunk c of output block nb0 as four vectors of 32 weights in [0, 15] (or [0, 31]): the low nibbles of
-// lanes 0-7, their high nibbles, then the same for lanes 8-15.
+// lanes 0-7, their high nibbles, then the same for lanes 8-15. `ahead`: a pass that streams the weights
+// from memory, which asks for the line kPrefetchAhead bytes on.
 template <bool kFive>
-inline void UnpackChunk(const Problem& p, int64_t nb0, int64_t c, __m256i v[4]) {
+inline void UnpackChunk(const Problem& p, int64_t nb0, int64_t c, bool ahead, __m256i v[4]) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   const int64_t chunks = p.k / kChunkK;
   const uint8_t* w = p.w + (nb0 * chunks + c) * 64;
+  if (ahead) _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetchAhead), _MM_HINT_T0);
   const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
   const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
   v[0] = _mm256_and_si256(v0, low);
@@ -192,8 +194,6 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m256i* unpacked = n
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 total[MR][2];
   for (int i = 0; i < MR; ++i) total[i][0] = total[i][1] = _mm256_setzero_ps();
-  const int64_t chunks = p.k / kChunkK;
-  const uint8_t* w = p.w + nb0 * chunks * 64;
   const bool first_pass = m0 == 0;  // later row groups find this block's weights in L1
   for (int64_t g = 0; g < p.groups; ++g) {
     const int64_t at = (nb0 * p.groups + g) * kBlockN;
@@ -209,8 +209,7 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m256i* unpacked = n
           if constexpr (kUnpacked) {
             for (int j = 0; j < 4; ++j) v[j] = _mm256_load_si256(unpacked + 4 * c + j);
           } else {
-            if (first_pass) _mm_prefetch(reinterpret_cast<const char*>(w + c * 64 + kPrefetchAhead), _MM_HINT_T0);
-            UnpackChunk<kFive>(p, nb0, c, v);
+            UnpackChunk<kFive>(p, nb0, c, first_pass, v);
           }
           for (int i = 0; i < MR; ++i) {
             int32_t four[2];
@@ -250,7 +249,7 @@ constexpr int kRows = 2;
 constexpr int kBlocks = 1;
 constexpr int kMaxOneTileRows = 2;
 constexpr int kBlocksOneTile = 1;
-constexpr int64_t kUnpackOnceFromRows = 32;  // Rows
+constexpr int64_t kUnpackOnceFromRows = 32;  // Rows unpacks each block once from this many rows
 
 #endif
 
@@ -289,11 +288,7 @@ void Rows(const Problem& p, int64_t nb0) {
   const int64_t chunks = p.k / kChunkK;
   thread_local std::vector<__m256i> unpacked;
   unpacked.resize(4 * chunks);
-  const uint8_t* w = p.w + nb0 * chunks * 64;
-  for (int64_t c = 0; c < chunks; ++c) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + c * 64 + kPrefetchAhead), _MM_HINT_T0);
-    UnpackChunk<kFive>(p, nb0, c, unpacked.data() + 4 * c);
-  }
+  for (int64_t c = 0; c < chunks; ++c) UnpackChunk<kFive>(p, nb0, c, true, unpacked.data() + 4 * c);
   for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB, kFive, true>(p, m, nb0, unpacked.data());
   for (; m < p.m; ++m) Tile<1, NB, kFive, true>(p, m, nb0, unpacked.data());
 #endif

@@ -347,13 +347,12 @@ class Scheduler:
         return bool(self._requests)
 
     def needs_results_first(self) -> bool:
-        """Whether the next plan depends on the tokens of steps still in flight: a request with
-        structured output holds a slot (its next mask needs its last token), so the serving loop reads
-        each step before planning the next."""
+        """Whether the next plan depends on the tokens of steps still in flight (_waits_for_tokens: a
+        grammar's next mask, a drafter's next drafts), so the serving loop reads each step before
+        planning the next."""
         speculating = self._speculation_on()
         return any(
-            r.slot is not None and (r.matcher is not None or self._drafting(r, speculating))
-            for r in self._requests.values()
+            r.slot is not None and self._waits_for_tokens(r, speculating) for r in self._requests.values()
         )
 
     def get(self, request_id: str) -> SequenceState | None:
@@ -556,7 +555,7 @@ class Scheduler:
     def _wants_decode(self, seq: SequenceState) -> bool:
         """Running, not yet at max_tokens counting the tokens already dispatched, and, under a grammar,
         with every dispatched token read (its mask follows from them)."""
-        reads_first = seq.matcher is not None or self._drafting(seq, self._speculation_on())
+        reads_first = self._waits_for_tokens(seq, self._speculation_on())
         return (
             seq.status is RequestStatus.RUNNING
             and seq.num_dispatched_outputs < seq.sampling.max_tokens
@@ -580,11 +579,30 @@ class Scheduler:
             and seq.heads_gate.is_open
         )
 
-    def _drafting(self, seq: SequenceState, speculating: bool) -> bool:
-        """Whether a drafter of `seq` is on, prompt lookup or the heads: its next plan then needs its
-        last step's tokens (lookup continues them; the heads' proposal comes with them)."""
-        lookup = speculating and self._drafts_allowed(seq) and seq.lookup_gate.is_open
-        return lookup or self._heads_draft(seq, speculating)
+    def _waits_for_tokens(self, seq: SequenceState, speculating: bool) -> bool:
+        """Whether planning `seq`'s next step needs the tokens of its steps in flight: its grammar's
+        next mask follows from them, the heads' proposal comes with them, and prompt lookup continues
+        them. Lookup alone does not wait where it cannot match whatever the one token in flight is
+        (NgramIndex.may_match_after_next: the last known token never occurred before), so such steps
+        go out while the previous one runs, as without speculation, and draft exactly as before."""
+        if seq.matcher is not None or self._heads_draft(seq, speculating):
+            return True
+        if not (speculating and self._drafts_allowed(seq) and seq.lookup_gate.is_open):
+            return False
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        # A verification in flight leaves num_computed behind (its advance comes with its result).
+        one_plain_step_in_flight = (
+            seq.num_dispatched_outputs == len(seq.output_token_ids) + 1 and seq.num_computed == known
+        )
+        return not one_plain_step_in_flight or self._lookup(seq).may_match_after_next()
+
+    def _lookup(self, seq: SequenceState) -> NgramIndex:
+        """`seq`'s prompt-lookup index, grown to its known tokens (made on first use)."""
+        if seq.lookup is None:
+            config = self.speculation
+            seq.lookup = NgramIndex(config.ngram_max, config.ngram_min, seq.prompt_token_ids)
+        seq.lookup.extend(seq.output_token_ids[len(seq.lookup) - len(seq.prompt_token_ids) :])
+        return seq.lookup
 
     def _drafts_allowed(self, seq: SequenceState) -> bool:
         """Whether `seq` may draft at all: speculation on for it and no grammar (its mask would have to
@@ -611,13 +629,11 @@ class Scheduler:
         k = min(config.num_draft_tokens, seq.sampling.num_draft_tokens or config.num_draft_tokens, room)
         if k <= 0:
             return [], SpeculativeMethod.OFF
-        if seq.lookup_gate.is_open:
+        if seq.lookup_gate.is_open and seq.num_dispatched_outputs == len(seq.output_token_ids) + 1:
             # Prompt lookup first: where the text repeats its context its drafts are right more often
-            # than the heads'.
-            if seq.lookup is None:
-                seq.lookup = NgramIndex(config.ngram_max, config.ngram_min, seq.prompt_token_ids)
-            seq.lookup.extend(seq.output_token_ids[len(seq.lookup) - len(seq.prompt_token_ids) :])
-            looked_up = seq.lookup.propose(k)
+            # than the heads'. Only over the whole context: with an earlier step's token unread, this
+            # step went out because lookup cannot match (_waits_for_tokens).
+            looked_up = self._lookup(seq).propose(k)
             if looked_up:
                 return looked_up, SpeculativeMethod.NGRAM
         # Else the heads' sure drafts, up to the first -1 (none unless they ran for the last step), while

@@ -76,6 +76,22 @@ def test_ngram_index_grown_token_by_token_proposes_what_a_search_finds(max_n, mi
     assert len(index) == len(tokens)
 
 
+@pytest.mark.parametrize("min_n", [2, 3])
+def test_ngram_index_knows_when_no_next_token_can_make_a_match(min_n):
+    rng = np.random.default_rng(min_n)
+    vocab = 24
+    tokens = rng.integers(0, vocab, 300).tolist()
+    answers = []
+    for length in range(1, len(tokens)):
+        index = NgramIndex(4, min_n, tokens[:length])
+        may = index.may_match_after_next()
+        answers.append(may)
+        if not may:  # exact: no token whatever lets lookup propose
+            assert all(NgramIndex(4, min_n, [*tokens[:length], x]).propose(3) == [] for x in range(vocab))
+    assert 0 < answers.count(False) < len(answers)
+    assert NgramIndex(4, 1, [7]).may_match_after_next()  # a single token may match anything
+
+
 def _chi_square_p(observed: np.ndarray, p: np.ndarray) -> float:
     p = p.astype(np.float64)
     expected = p / p.sum() * observed.sum()
@@ -403,6 +419,29 @@ def test_a_row_verifying_drafts_is_planned_again_only_after_its_result():
     assert result.token_ids == engine.reference_tokens(prompt, s)
     assert any(0 not in heads for heads in engine.heads_log)  # the heads paused
     assert result.num_draft_tokens > result.num_accepted_tokens > 0
+
+
+def test_lookup_that_cannot_match_lets_steps_go_out_before_the_last_is_read(monkeypatch):
+    """While a request's last known token never occurred before, prompt lookup cannot match whatever
+    token is in flight: its steps go out before the previous one is read, as without speculation, and
+    it drafts exactly what a loop that reads every step first drafts."""
+    tok = FakeTokenizer()
+    s = SamplingParams(seed=0, max_tokens=40, stop_token_ids=tok.eos_ids)
+    prompt = [20, 21, 22, 23, 24, 25, 14]  # the model counts up from 15 and meets 20-25 again
+    spec = SpeculationConfig(method="ngram", num_draft_tokens=3, max_rows=1)
+
+    def run():
+        engine = MockEngine(num_slots=1, max_seq_len=128, vocab_size=tok.vocab_size, max_draft_tokens=3)
+        (result,) = generate(engine, tok, [prompt], [s], speculation=spec)
+        assert result.token_ids == engine.reference_tokens(prompt, s)
+        return engine, (result.num_draft_tokens, result.num_accepted_tokens)
+
+    engine, counts = run()
+    monkeypatch.setattr(NgramIndex, "may_match_after_next", lambda self: True)  # always read first
+    reading, reading_counts = run()
+    assert engine.draft_log == reading.draft_log and any(engine.draft_log)
+    assert counts == reading_counts and counts[1] > 0
+    assert reading.max_unread_decodes == 1 < engine.max_unread_decodes
 
 
 def test_speculation_stops_when_more_requests_decode_than_max_rows():

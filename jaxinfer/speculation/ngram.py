@@ -23,6 +23,7 @@ class NgramIndex:
         self.tokens: list[int] = []
         # _ends[n - min_n][gram]: the end (exclusive) of gram's latest occurrence before the suffix.
         self._ends: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n - min_n + 1)]
+        self._followed: set[int] = set()  # tokens that occur somewhere with a token after them
         self.extend(tokens)
 
     def __len__(self) -> int:
@@ -38,7 +39,16 @@ class NgramIndex:
         for n, ends in enumerate(self._ends, self.min_n):
             if end >= n:
                 ends[tuple(tokens[end - n :])] = end
+        if tokens:
+            self._followed.add(tokens[-1])
         tokens.append(int(token))
+
+    def may_match_after_next(self) -> bool:
+        """Whether propose() can find anything once one more token, whatever it is, is appended. Every
+        n-gram it could match then (n >= min_n >= 2) holds the current last token just before the new
+        one, so that token must have occurred before with a token after it. False is exact: a serving
+        loop need not wait for the token in flight to know that a step drafts nothing."""
+        return self.min_n < 2 or (bool(self.tokens) and self.tokens[-1] in self._followed)
 
     def propose(self, num_drafts: int) -> list[int]:
         """Up to `num_drafts` tokens continuing the sequence: the longest n (max_n down to min_n) whose

@@ -16,7 +16,12 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
-from jaxinfer.speculation.config import SpeculationConfig, default_max_rows, min_probabilities
+from jaxinfer.speculation.config import (
+    SpeculationConfig,
+    default_max_rows,
+    default_num_draft_tokens,
+    min_probabilities,
+)
 
 # quantization.QUANTIZATION_MODES, spelled out so that `jaxinfer --help` does not import jax
 QUANTIZATION_MODES = ("none", "int8", "int4")
@@ -96,7 +101,11 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
         "hidden state where prompt lookup finds nothing (heads), verified by the model in one step; a "
         "request may pick another or 'off'",
     )  # fmt: skip
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="drafts verified per step and request")
+    p.add_argument(
+        "--num-draft-tokens", type=int, default=None,
+        help="drafts verified per step and request; default: measured on this backend, 4 with AVX-512 "
+        "VNNI kernels and on accelerators, 2 on AVX2-only CPUs",
+    )  # fmt: skip
     p.add_argument(
         "--speculative-max-rows", type=int, default=None,
         help="speculate only while at most this many requests decode (past it a step is no longer bound "
@@ -157,9 +166,10 @@ def _runtime_options(args: argparse.Namespace):
         kwargs["weights_cache_dir"] = args.weights_cache or None
     if args.speculative != "off":
         max_rows = default_max_rows() if args.speculative_max_rows is None else args.speculative_max_rows
+        drafts = default_num_draft_tokens() if args.num_draft_tokens is None else args.num_draft_tokens
         try:
             kwargs["speculation"] = SpeculationConfig(
-                method=args.speculative, num_draft_tokens=args.num_draft_tokens, max_rows=max_rows,
+                method=args.speculative, num_draft_tokens=drafts, max_rows=max_rows,
                 draft_min_probability=args.draft_min_probability,
             )  # fmt: skip
         except ValueError as e:

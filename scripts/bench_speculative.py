@@ -1,7 +1,7 @@
 """What speculative decoding buys: decode tokens/s with drafts verified against the same engine without,
 measured in one run, alternating.
 
-    .venv/bin/python scripts/bench_speculative.py [--model smollm2-135m-instruct] [--num-draft-tokens 4]
+    .venv/bin/python scripts/bench_speculative.py [--model smollm2-135m-instruct] [--num-draft-tokens N]
         [--max-tokens 256] [--repeats 3] [--draft-heads DIR] [--streams 16]
 
 Workloads (scripts/speculation_prompts.py), greedy, the model's chat template:
@@ -41,6 +41,7 @@ from jaxinfer.speculation.config import (  # noqa: E402
     SpeculationConfig,
     SpeculativeMethod,
     default_max_rows,
+    default_num_draft_tokens,
     min_probabilities,
 )
 
@@ -87,7 +88,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--quantize", default="auto")
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--num-draft-tokens", type=int, default=None, help="default: default_num_draft_tokens()")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--streams", type=int, default=16)
@@ -112,7 +113,7 @@ def main() -> None:
 
     print(cpu_description())
     config = SpeculationConfig(
-        method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens,
+        method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens or default_num_draft_tokens(),
         min_accepted=args.min_accepted, draft_min_probability=args.draft_min_probability,
         max_rows=default_max_rows(),
     )  # fmt: skip
@@ -123,7 +124,7 @@ def main() -> None:
     runtime = build_runtime(options)
     print(
         f"warm-up {runtime.engine.warmup():.1f} s; draft heads: {runtime.engine.draft_heads_depth or 'none'};"
-        f" speculation up to {config.max_rows} decoding requests (default_max_rows)"
+        f" {config.num_draft_tokens} drafts per step, speculation up to {config.max_rows} decoding requests"
     )
     tok = runtime.tokenizer
     sampling = with_eos(SamplingParams(temperature=0, max_tokens=args.max_tokens), tok.eos_ids)

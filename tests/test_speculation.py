@@ -18,7 +18,7 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
 from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
-from jaxinfer.speculation.config import SpeculationConfig, default_max_rows
+from jaxinfer.speculation.config import SpeculationConfig, default_max_rows, default_num_draft_tokens
 from jaxinfer.speculation.draft_heads import init_heads
 from jaxinfer.speculation.gate import DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
@@ -467,13 +467,14 @@ def test_a_servers_batch_switch_defaults_to_its_backends_measured_crossover(monk
         return _runtime_options(args).speculation
 
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    for isa, rows in ((native_build.AVX512_VNNI, 4), (native_build.AVX2, 1), (None, 1)):
+    for isa, rows, drafts in ((native_build.AVX512_VNNI, 4, 4), (native_build.AVX2, 1, 2), (None, 1, 2)):
         monkeypatch.setattr(native_build, "best_isa", lambda isa=isa: isa)
-        assert default_max_rows() == rows, isa
-        assert options().max_rows == rows, isa
-        assert options("--speculative-max-rows", "3").max_rows == 3  # the flag wins
+        assert (default_max_rows(), default_num_draft_tokens()) == (rows, drafts), isa
+        assert (options().max_rows, options().num_draft_tokens) == (rows, drafts), isa
+        assert options("--speculative-max-rows", "3").max_rows == 3  # the flags win
+        assert options("--num-draft-tokens", "3").num_draft_tokens == 3
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert default_max_rows() == 4
+    assert (default_max_rows(), default_num_draft_tokens()) == (4, 4)
 
 
 def test_a_request_cannot_ask_for_what_the_server_lacks():

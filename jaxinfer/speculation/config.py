@@ -16,7 +16,8 @@ class SpeculativeMethod(enum.StrEnum):
 @dataclasses.dataclass(frozen=True)
 class SpeculationConfig:
     """method: the server's default drafter (a request may pick another or turn it off).
-    num_draft_tokens: drafts verified per step and request (the engine's verification width - 1).
+    num_draft_tokens: drafts verified per step and request (the engine's verification width - 1). A
+        server's default is default_num_draft_tokens(), measured on its backend.
     max_rows: speculate only while at most this many requests decode: past it a step is no longer
         bound by reading the weights, so verifying k + 1 positions per request costs about k + 1
         times a plain step and drafts stop paying. A server's default is default_max_rows(), the
@@ -64,13 +65,26 @@ def default_max_rows() -> int:
     AVX2 alone, one row already keeps the multipliers busy, so a step's cost grows with every verified
     position (the code edit: 1.09x at one request, 0.88x at two); a CPU without the native kernels is
     slower per row still. Accelerators keep the larger value until one is measured."""
+    return 1 if _verified_positions_cost_their_multiplies() else SpeculationConfig.max_rows
+
+
+def default_num_draft_tokens() -> int:
+    """The drafts a request verifies per step by default on this backend (docs/benchmarks.md). Where
+    every verified position costs its own multiplies (AVX2 alone: about half a plain step each), four
+    drafts pay only when nearly all are accepted: SmolLM2 with prompt lookup at one stream on an AVX2-only
+    EPYC, 16 chat prompts, geometric mean 0.93x with four drafts against 1.01x with two (the code edit
+    0.95x / 1.03x). Elsewhere 4."""
+    return 2 if _verified_positions_cost_their_multiplies() else SpeculationConfig.num_draft_tokens
+
+
+def _verified_positions_cost_their_multiplies() -> bool:
+    """A CPU whose native kernels run AVX2 alone, or none (XLA): even one row keeps the multipliers
+    busy, so each position a step verifies adds about its own multiply time."""
     import jax
 
     from jaxinfer.cpu_kernels.native_build import AVX2, best_isa
 
-    if jax.default_backend() == "cpu" and best_isa() in (AVX2, None):
-        return 1
-    return SpeculationConfig.max_rows
+    return jax.default_backend() == "cpu" and best_isa() in (AVX2, None)
 
 
 def min_probabilities(value: float | str | Sequence[float]) -> tuple[float, ...]:

@@ -553,8 +553,8 @@ class Scheduler:
         return True
 
     def _wants_decode(self, seq: SequenceState) -> bool:
-        """Running, not yet at max_tokens counting the tokens already dispatched, and, under a grammar,
-        with every dispatched token read (its mask follows from them)."""
+        """Running, not yet at max_tokens counting the tokens already dispatched, and with every
+        dispatched token read where its plan needs them (_waits_for_tokens: a grammar's mask, drafts)."""
         reads_first = self._waits_for_tokens(seq, self._speculation_on())
         return (
             seq.status is RequestStatus.RUNNING

@@ -72,8 +72,8 @@ def default_num_draft_tokens() -> int:
     """The drafts a request verifies per step by default on this backend (docs/benchmarks.md). Where
     every verified position costs its own multiplies (AVX2 alone: about half a plain step each), four
     drafts pay only when nearly all are accepted: SmolLM2 with prompt lookup at one stream on an AVX2-only
-    EPYC, 16 chat prompts, geometric mean 0.93x with four drafts against 1.01x with two (the code edit
-    0.95x / 1.03x). Elsewhere 4."""
+    EPYC, 16 chat prompts, geometric mean 0.92-0.94x with four drafts against 1.01-1.02x with two (the
+    code edit 0.93-0.96x / 1.02-1.03x). Elsewhere 4."""
     return 2 if _verified_positions_cost_their_multiplies() else SpeculationConfig.num_draft_tokens
 
 

@@ -161,6 +161,11 @@ class SequenceState:
     def all_token_ids(self) -> tuple[int, ...]:
         return self.prompt_token_ids + tuple(self.output_token_ids)
 
+    @property
+    def num_unread_outputs(self) -> int:
+        """Output tokens of dispatched steps whose results are not read yet."""
+        return self.num_dispatched_outputs - len(self.output_token_ids)
+
 
 @dataclasses.dataclass(frozen=True)
 class TokenLogprobs:
@@ -559,7 +564,7 @@ class Scheduler:
         return (
             seq.status is RequestStatus.RUNNING
             and seq.num_dispatched_outputs < seq.sampling.max_tokens
-            and (not reads_first or seq.num_dispatched_outputs == len(seq.output_token_ids))
+            and (not reads_first or seq.num_unread_outputs == 0)
         )
 
     # ---- speculative decoding -----------------------------------------------------------------------
@@ -591,9 +596,7 @@ class Scheduler:
             return False
         known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
         # A verification in flight leaves num_computed behind (its advance comes with its result).
-        one_plain_step_in_flight = (
-            seq.num_dispatched_outputs == len(seq.output_token_ids) + 1 and seq.num_computed == known
-        )
+        one_plain_step_in_flight = seq.num_unread_outputs == 1 and seq.num_computed == known
         return not one_plain_step_in_flight or self._lookup(seq).may_match_after_next()
 
     def _lookup(self, seq: SequenceState) -> NgramIndex:
@@ -629,7 +632,7 @@ class Scheduler:
         k = min(config.num_draft_tokens, seq.sampling.num_draft_tokens or config.num_draft_tokens, room)
         if k <= 0:
             return [], SpeculativeMethod.OFF
-        if seq.lookup_gate.is_open and seq.num_dispatched_outputs == len(seq.output_token_ids) + 1:
+        if seq.lookup_gate.is_open and seq.num_unread_outputs == 1:
             # Prompt lookup first: where the text repeats its context its drafts are right more often
             # than the heads'. Only over the whole context: with an earlier step's token unread, this
             # step went out because lookup cannot match (_waits_for_tokens).

@@ -112,8 +112,9 @@ def main() -> None:
     args = ap.parse_args()
 
     print(cpu_description())
+    drafts = default_num_draft_tokens() if args.num_draft_tokens is None else args.num_draft_tokens
     config = SpeculationConfig(
-        method=SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens or default_num_draft_tokens(),
+        method=SpeculativeMethod.NGRAM, num_draft_tokens=drafts,
         min_accepted=args.min_accepted, draft_min_probability=args.draft_min_probability,
         max_rows=default_max_rows(),
     )  # fmt: skip

@@ -245,7 +245,8 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m256i* unpacked = n
   }
 }
 
-constexpr int kRows = 2;
+constexpr int kRows = 2;  // rows per group over a block unpacked once
+constexpr int kStreamRows = 4;  // rows per group that unpacks the block itself
 constexpr int kBlocks = 1;
 constexpr int kMaxOneTileRows = 2;
 constexpr int kBlocksOneTile = 1;
@@ -280,9 +281,22 @@ void Rows(const Problem& p, int64_t nb0) {
   // Many rows (prefill) take the block unpacked once for all their row groups: AVX2 unpacks with the same
   // vector pipes that multiply, and a two-row group would unpack every chunk again for two rows (SmolLM2's
   // products at 512 rows: ~8% faster). At 16 rows the extra pass through memory cost as much as it saved.
+  // Fewer rows stream the block in groups of four, the inner loop's accumulators, weights and
+  // activations all in registers; a count that would leave a lone group of one starts with three and two
+  // instead, since each group unpacks every chunk again (a step verifying two or four drafts is three or
+  // five rows).
   if (p.m < kUnpackOnceFromRows) {
-    for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB, kFive>(p, m, nb0);
-    for (; m < p.m; ++m) Tile<1, NB, kFive>(p, m, nb0);
+    switch (p.m % kStreamRows) {
+      case 1:
+        if (p.m == 1) return Tile<1, NB, kFive>(p, 0, nb0);
+        Tile<3, NB, kFive>(p, 0, nb0);
+        Tile<2, NB, kFive>(p, 3, nb0);
+        m = 5;
+        break;
+      case 2: Tile<2, NB, kFive>(p, 0, nb0); m = 2; break;
+      case 3: Tile<3, NB, kFive>(p, 0, nb0); m = 3; break;
+    }
+    for (; m < p.m; m += kStreamRows) Tile<kStreamRows, NB, kFive>(p, m, nb0);
     return;
   }
   const int64_t chunks = p.k / kChunkK;

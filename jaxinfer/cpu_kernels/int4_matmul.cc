@@ -278,13 +278,12 @@ void Rows(const Problem& p, int64_t nb0) {
     case 1: Tile<1, NB, kFive>(p, m, nb0); break;
   }
 #else
+  // Fewer rows stream the block in groups of four, the inner loop's accumulators, weights and activations
+  // all in registers. Each group unpacks every chunk again, so a count that would leave a lone row starts
+  // with three and two instead (a step verifying two or four drafts is three or five rows).
   // Many rows (prefill) take the block unpacked once for all their row groups: AVX2 unpacks with the same
-  // vector pipes that multiply, and a two-row group would unpack every chunk again for two rows (SmolLM2's
-  // products at 512 rows: ~8% faster). At 16 rows the extra pass through memory cost as much as it saved.
-  // Fewer rows stream the block in groups of four, the inner loop's accumulators, weights and
-  // activations all in registers; a count that would leave a lone group of one starts with three and two
-  // instead, since each group unpacks every chunk again (a step verifying two or four drafts is three or
-  // five rows).
+  // vector pipes that multiply (SmolLM2's products at 512 rows: ~8% faster than two-row groups that unpack
+  // it themselves). At 16 rows the extra pass through memory cost as much as it saved.
   if (p.m < kUnpackOnceFromRows) {
     switch (p.m % kStreamRows) {
       case 1:

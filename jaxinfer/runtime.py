@@ -185,8 +185,9 @@ def parse_memory_size(text: str) -> int:
 
 
 def resolve_quantize(quantize: str, backend: str, kind: str = "hf") -> str:
-    """`auto` on CPU: int4 for a GGUF file where the native int4 kernel runs (build_runtime takes a file
-    that mixes 4-bit with wider blocks to int8 after all), else int8; elsewhere the float weights stay.
+    """`auto` on CPU: int4 for a GGUF file where the native int4 kernel runs (build_runtime may take a
+    file that mixes 4-bit with wider blocks to int8 after all: auto_quantize_mixed_gguf), else int8;
+    elsewhere the float weights stay.
 
     int4 from GGUF repacks the file's 4- and 5-bit blocks as they are (its others go to int8), so it is
     closer to the file than int8, which requantises those blocks, holds 20% of the float32 bytes
@@ -199,6 +200,23 @@ def resolve_quantize(quantize: str, backend: str, kind: str = "hf") -> str:
     if backend != "cpu":
         return "none"
     return "int4" if kind == "gguf" and int4_matmul_available() else "int8"
+
+
+def auto_quantize_mixed_gguf() -> str:
+    """What `auto` makes of a GGUF file that mixes 4-bit with wider blocks (Gemma 3's Q4_K_M: Q4_K, Q5_0,
+    Q6_K, Q8_0) where the native int4 kernel runs: int4 (its 4- and 5-bit blocks kept as they are, the
+    others int8) where the kernels run AVX2 alone, int8 with AVX-512 VNNI.
+
+    With VNNI, one instruction multiplies and adds 4 int8 pairs, and the 4- and 5-bit kernels do more per
+    weight than the int8 one: kept as int4 / int5 / int8, Gemma 3's decode step is no faster at one
+    stream (9.80 vs 9.70 ms) and slower at 16 (36.4 vs 34.2 ms). AVX2's int8 product needs two vector
+    multiplies per 32 multiply-adds (vpmaddubsw, then vpmaddwd to widen), the 4-bit one about one (its
+    small products widen once per block of 32 inputs): on a Zen 1 EPYC, Gemma 3 kept as int4 ran prefill
+    512 at 1.79x llama.cpp against 1.40x as int8, one stream 1.54x against 1.52x, 16 streams 1.49x
+    against 1.45x (docs/benchmarks.md)."""
+    from jaxinfer.cpu_kernels.native_build import AVX2, best_isa
+
+    return "int4" if best_isa() is AVX2 else "int8"
 
 
 # The form of the converted weights in a cache entry's key: an entry written under another form (code
@@ -336,8 +354,8 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     placement = param_placement(mesh)
     kind, path = resolve_model(options.model)
     quantize = resolve_quantize(options.quantize, jax.default_backend(), kind)
-    # `auto` keys its own entry: what it resolves to depends on the file's contents (below).
-    cache_key = "auto" if options.quantize == "auto" else quantize
+    # `auto` keys its own entry: what it resolves to depends on the file's contents (below) and the CPU.
+    cache_key = f"auto-{auto_quantize_mixed_gguf()}" if options.quantize == "auto" else quantize
     entry = _weights_cache_entry(options, Path(path), cache_key, dtype) if kind == "gguf" else None
     cached = _load_converted(entry, dtype, placement) if entry is not None else None
     reader = None
@@ -348,11 +366,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
             # Parsing a large vocabulary's GGUF metadata takes seconds: parse it once for both.
             reader = open_gguf(path)
             if options.quantize == "auto" and quantize == "int4" and not linear_weights_are_4bit(reader):
-                # A file mixing 4-bit with wider blocks (Gemma 3's Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) runs no
-                # faster kept as int4 / int5 / int8 at one stream (decode steps 9.80 vs 9.70 ms in one
-                # process) and slower at 16 (36.4 vs 34.2 ms): the 4- and 5-bit kernels do more per
-                # weight than the int8 one. So auto takes it to int8 like a float checkpoint.
-                quantize = "int8"
+                quantize = auto_quantize_mixed_gguf()
             loaded = load_gguf(reader, dtype=dtype, placement=placement, int4=quantize == "int4")
             tokenizer = load_tokenizer(loaded, reader)
         else:

@@ -345,7 +345,7 @@ def test_an_int4_models_tables_keep_only_their_packed_int8_form():
     assert _rel(linear(x, packed, KernelConfig()), x @ table.T) < 1e-5  # XLA reads the unpacked bytes
 
 
-def test_auto_takes_int4_only_for_files_of_4bit_linear_weights():
+def test_linear_weights_are_4bit_tells_an_all_4bit_file_from_a_mixed_one():
     from jaxinfer.loading.gguf_loader import linear_weights_are_4bit, open_gguf
     from jaxinfer.registry import resolve_model
 

@@ -15,7 +15,13 @@ from jaxinfer.cpu_kernels import decode_attention_available, int4_matmul_availab
 from jaxinfer.evaluation import teacher_forced_decode_logits, teacher_forced_logits
 from jaxinfer.loading import load_model
 from jaxinfer.quantization import quantization_of
-from jaxinfer.runtime import RuntimeOptions, build_runtime, default_cache_dtype, resolve_quantize
+from jaxinfer.runtime import (
+    RuntimeOptions,
+    auto_quantize_mixed_gguf,
+    build_runtime,
+    default_cache_dtype,
+    resolve_quantize,
+)
 
 
 def test_auto_quantisation_is_int4_for_gguf_and_int8_otherwise_on_cpu_only():
@@ -24,6 +30,36 @@ def test_auto_quantisation_is_int4_for_gguf_and_int8_otherwise_on_cpu_only():
     assert resolve_quantize("auto", "gpu", "gguf") == "none"
     assert resolve_quantize("auto", "gpu") == "none" and resolve_quantize("auto", "tpu") == "none"
     assert resolve_quantize("none", "cpu") == "none" and resolve_quantize("int8", "tpu") == "int8"
+
+
+def test_auto_keeps_a_mixed_gguf_file_int4_only_where_the_kernels_run_avx2(monkeypatch):
+    from jaxinfer.cpu_kernels.native_build import AVX2, AVX512_VNNI, cpu_supports
+
+    monkeypatch.delenv("JAXINFER_NATIVE_KERNELS", raising=False)
+    monkeypatch.setenv("JAXINFER_CPU_ISA", "avx2")
+    assert auto_quantize_mixed_gguf() == ("int4" if cpu_supports(AVX2) else "int8")
+    monkeypatch.delenv("JAXINFER_CPU_ISA")
+    vnni, avx2 = cpu_supports(AVX512_VNNI), cpu_supports(AVX2)
+    assert auto_quantize_mixed_gguf() == ("int4" if avx2 and not vnni else "int8")
+    monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
+    assert auto_quantize_mixed_gguf() == "int8"
+
+
+@pytest.mark.skipif(not int4_matmul_available(), reason="needs the native int4 kernel (x86-64 with AVX2)")
+def test_auto_loads_gemma3_as_its_own_4_and_5_bit_blocks_with_avx2_kernels(monkeypatch):
+    # Gemma 3's Q4_K_M file: Q4_K and Q5_0 layers beside Q6_K and Q8_0 ones. With the kernels capped at
+    # AVX2, auto keeps the 4- and 5-bit blocks as they are (as int8 they would be neither form).
+    from jaxinfer.weight_formats import PackedInt4Weight, PackedInt5Weight
+
+    monkeypatch.setenv("JAXINFER_CPU_ISA", "avx2")
+    options = RuntimeOptions(
+        model="gemma3-270m", quantize="auto", num_slots=1, max_len=64, compilation_cache_dir=None,
+        weights_cache_dir=None,
+    )  # fmt: skip
+
+    packed = (PackedInt4Weight, PackedInt5Weight)
+    leaves = jax.tree.leaves(build_runtime(options).engine.params, is_leaf=lambda x: isinstance(x, packed))
+    assert {type(leaf) for leaf in leaves if isinstance(leaf, packed)} == set(packed)
 
 
 def test_converted_weights_cache_gives_the_same_model(tmp_path, caplog):

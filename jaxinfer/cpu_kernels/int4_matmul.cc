@@ -143,12 +143,18 @@ inline __m256 LoadLanes(const void* base, bool half, int64_t at) {
   return _mm256_loadu_ps(static_cast<const float*>(base) + at);
 }
 
-// 16 added to each of 32 bytes whose bit is set in `bits` (bit k for byte k).
-inline __m256i FifthBits(uint32_t bits) {
-  const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
-                                               2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+// 16 added to each of 32 bytes whose bit is set in 32-bit word W of `high` (a chunk's 16 bytes of fifth
+// bits in both 128-bit lanes; bit k of the word for byte k). One byte shuffle spreads the word's bytes
+// over the lanes' bytes, whatever W: no broadcast of a general register per vector.
+template <int W>
+inline __m256i FifthBits(__m256i high) {
+  const __m256i byte_of_bit = _mm256_setr_epi8(
+      4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W + 1, 4 * W + 1, 4 * W + 1, 4 * W + 1,
+      4 * W + 1, 4 * W + 1, 4 * W + 1, 4 * W + 1, 4 * W + 2, 4 * W + 2, 4 * W + 2, 4 * W + 2, 4 * W + 2,
+      4 * W + 2, 4 * W + 2, 4 * W + 2, 4 * W + 3, 4 * W + 3, 4 * W + 3, 4 * W + 3, 4 * W + 3, 4 * W + 3,
+      4 * W + 3, 4 * W + 3);
   const __m256i bit_of_byte = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), byte_of_bit);
+  const __m256i spread = _mm256_shuffle_epi8(high, byte_of_bit);
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_byte), bit_of_byte);
   return _mm256_and_si256(set, _mm256_set1_epi8(16));
 }
@@ -175,12 +181,13 @@ inline void UnpackChunk(const Problem& p, int64_t nb0, int64_t c, bool ahead, __
   v[2] = _mm256_and_si256(v1, low);
   v[3] = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
   if constexpr (kFive) {
-    uint32_t bits[4];  // low nibbles of lanes 0-7, of lanes 8-15; high nibbles the same
-    __builtin_memcpy(bits, p.high + (nb0 * chunks + c) * 16, 16);
-    v[0] = _mm256_or_si256(v[0], FifthBits(bits[0]));
-    v[2] = _mm256_or_si256(v[2], FifthBits(bits[1]));
-    v[1] = _mm256_or_si256(v[1], FifthBits(bits[2]));
-    v[3] = _mm256_or_si256(v[3], FifthBits(bits[3]));
+    // Words: low nibbles of lanes 0-7, of lanes 8-15; high nibbles the same.
+    const __m256i high = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p.high + (nb0 * chunks + c) * 16)));
+    v[0] = _mm256_or_si256(v[0], FifthBits<0>(high));
+    v[2] = _mm256_or_si256(v[2], FifthBits<1>(high));
+    v[1] = _mm256_or_si256(v[1], FifthBits<2>(high));
+    v[3] = _mm256_or_si256(v[3], FifthBits<3>(high));
   }
 }
 

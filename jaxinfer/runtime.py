@@ -213,8 +213,9 @@ def auto_quantize_mixed_gguf() -> str:
     multiplies per 32 multiply-adds (vpmaddubsw, then vpmaddwd to widen), the 4-bit one about one (its
     small products widen once per block of 32 inputs). On a Zen 1 EPYC, Gemma 3 kept as int4 against
     int8, two alternations: prefill 512 273-285 vs 224-230 tok/s (1.71-1.79x llama.cpp vs 1.40x), 16
-    streams 88.5-89.1 vs 87.5-88.7, one stream 61.7-62.2 vs 65.0-65.5 (at one row nothing shares the
-    vector ops that unpack each fifth bit); 8% fewer weight bytes (docs/benchmarks.md)."""
+    streams 88.5-89.1 vs 87.5-88.7, one stream 61.7-62.2 vs 65.0-65.5 (64.0 once the int5 tile spread its
+    fifth bits with one shuffle: at one row nothing shares those vector ops); 8% fewer weight bytes
+    (docs/benchmarks.md)."""
     from jaxinfer.cpu_kernels.native_build import AVX2, best_isa
 
     return "int4" if best_isa() is AVX2 else "int8"

@@ -45,12 +45,20 @@ def test_auto_keeps_a_mixed_gguf_file_int4_only_where_the_kernels_run_avx2(monke
     assert auto_quantize_mixed_gguf() == "int8"
 
 
-@pytest.mark.skipif(not int4_matmul_available(), reason="needs the native int4 kernel (x86-64 with AVX2)")
+def _cpu_has_avx2() -> bool:
+    from jaxinfer.cpu_kernels.native_build import AVX2, cpu_supports
+
+    return cpu_supports(AVX2)
+
+
+# Skipped only on CPUs without AVX2: where the CPU has it, a kernel that fails to build fails the test.
+@pytest.mark.skipif(not _cpu_has_avx2(), reason="this CPU has no AVX2 (the int4 kernel's AVX2 variant)")
 def test_auto_loads_gemma3_as_its_own_4_and_5_bit_blocks_with_avx2_kernels(monkeypatch):
     # Gemma 3's Q4_K_M file: Q4_K and Q5_0 layers beside Q6_K and Q8_0 ones. With the kernels capped at
     # AVX2, auto keeps the 4- and 5-bit blocks as they are (as int8 they would be neither form).
     from jaxinfer.weight_formats import PackedInt4Weight, PackedInt5Weight
 
+    monkeypatch.delenv("JAXINFER_NATIVE_KERNELS", raising=False)
     monkeypatch.setenv("JAXINFER_CPU_ISA", "avx2")
     options = RuntimeOptions(
         model="gemma3-270m", quantize="auto", num_slots=1, max_len=64, compilation_cache_dir=None,

@@ -148,11 +148,10 @@ inline __m256 LoadLanes(const void* base, bool half, int64_t at) {
 // over the lanes' bytes, whatever W: no broadcast of a general register per vector.
 template <int W>
 inline __m256i FifthBits(__m256i high) {
-  const __m256i byte_of_bit = _mm256_setr_epi8(
-      4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W, 4 * W + 1, 4 * W + 1, 4 * W + 1, 4 * W + 1,
-      4 * W + 1, 4 * W + 1, 4 * W + 1, 4 * W + 1, 4 * W + 2, 4 * W + 2, 4 * W + 2, 4 * W + 2, 4 * W + 2,
-      4 * W + 2, 4 * W + 2, 4 * W + 2, 4 * W + 3, 4 * W + 3, 4 * W + 3, 4 * W + 3, 4 * W + 3, 4 * W + 3,
-      4 * W + 3, 4 * W + 3);
+  const __m256i byte_of_bit = _mm256_add_epi8(
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  //
+                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+      _mm256_set1_epi8(4 * W));  // constants: folded at compile time
   const __m256i bit_of_byte = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
   const __m256i spread = _mm256_shuffle_epi8(high, byte_of_bit);
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit_of_byte), bit_of_byte);

@@ -6,7 +6,12 @@ import os
 
 # Tests run on the CPU; a simulated 8-device host lets sharding tests build meshes.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Most of the suite's time is XLA compiling thousands of small programs, and much of that is LLVM
+# optimising their loops. The tests check what the programs compute: XLA's own passes, fusions and
+# precision rules run as in production, and the matrix products and native kernels are precompiled code.
+os.environ.setdefault(
+    "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+)
 # One compilation cache for the whole run, shared with the subprocesses tests start: many tests compile
 # the same tiny models' programs, and XLA compilation is most of the suite's time on a slow CPU.
 _OWN_COMPILATION_CACHE = None

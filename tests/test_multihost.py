@@ -219,9 +219,11 @@ def _free_port() -> int:
 def test_two_processes_decode_the_same_tokens_as_one(tmp_path):
     port, control_port = _free_port(), _free_port()
     out = tmp_path / "tokens.json"
+    # The suite's XLA flags, with four devices a process.
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
     env = os.environ | {
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "XLA_FLAGS": " ".join(["--xla_force_host_platform_device_count=4", *flags]),
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
     }
     procs, logs = [], []

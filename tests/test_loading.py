@@ -472,6 +472,48 @@ def test_orbax_restores_into_requested_shardings(tmp_path):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(jnp.bfloat16)))
 
 
+def _metadata_gguf(path) -> None:
+    """A small GGUF file with every kind of metadata array a vocabulary uses, and some it does not."""
+    import gguf
+
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_array("test.tokens", ["<s>", "", "héllo", " ▁world", "\n"] * 7)
+    writer.add_array("test.scores", [0.5, -1.25, 3.0] * 5)
+    writer.add_array("test.types", [1, 2, 3, -4])
+    writer.add_key_value("test.flags", [True, False, True], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+    writer.add_key_value("test.bytes", [7, 255], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT8)
+    writer.add_array("test.empty", [])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    writer.add_string("test.name", "tiny")
+    writer.add_uint32("test.count", 3)
+    writer.add_tensor("w", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_fast_gguf_reader_reads_every_field_as_the_gguf_package_does(tmp_path):
+    import gguf
+
+    from jaxinfer.loading.gguf_loader import FastGGUFReader
+
+    path = tmp_path / "meta.gguf"
+    _metadata_gguf(path)
+    fast, base = FastGGUFReader(path), gguf.GGUFReader(path)
+    assert list(fast.fields) == list(base.fields)
+    for name, want in base.fields.items():
+        got = fast.fields[name]
+        assert (got.offset, got.types, got.data) == (want.offset, want.types, want.data), name
+        assert len(got.parts) == len(want.parts), name
+        for a, b in zip(got.parts, want.parts):
+            assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    assert fast.data_offset == base.data_offset
+    assert np.array_equal(fast.tensors[0].data, base.tensors[0].data)
+    tokens = fast.fields["test.tokens"]
+    assert [bytes(tokens.parts[i]).decode() for i in tokens.data][:5] == ["<s>", "", "héllo", " ▁world", "\n"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Broken inputs
 
@@ -487,6 +529,18 @@ def test_garbage_and_empty_gguf_raise_model_load_error(tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ModelLoadError, match="empty.gguf is not a readable GGUF file"):
         config_from_gguf(empty)
+
+
+def test_gguf_cut_inside_its_metadata_arrays_raises_model_load_error(tmp_path):
+    whole = tmp_path / "meta.gguf"
+    _metadata_gguf(whole)
+    data = whole.read_bytes()
+    # Inside the token strings' array, and inside the scores' array.
+    for cut in (data.index("héllo".encode()) + 2, data.index(np.float32(3.0).tobytes()) + 2):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(data[:cut])
+        with pytest.raises(ModelLoadError, match=f"cut{cut}.gguf is not a readable GGUF file"):
+            config_from_gguf(short)
 
 
 def test_truncated_real_gguf_raises_model_load_error(tmp_path, smollm):

@@ -7,8 +7,10 @@ import os
 # Tests run on the CPU; a simulated 8-device host lets sharding tests build meshes.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Most of the suite's time is XLA compiling thousands of small programs, and much of that is LLVM
-# optimising their loops. The tests check what the programs compute: XLA's own passes, fusions and
-# precision rules run as in production, and the matrix products and native kernels are precompiled code.
+# optimising their machine code: the suite compiles with LLVM's optimisation off. XLA's fusion emitters
+# are the production ones (XLA's older emitters compile faster still, but a row's values then depend on
+# how many rows a step runs), and matrix products and the native kernels are precompiled code either way.
+# The README command's test runs the real model in a process with XLA's production settings.
 os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )

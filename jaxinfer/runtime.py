@@ -365,7 +365,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         loaded, tokenizer = dataclasses.replace(cached[0], kind="gguf", path=Path(path)), cached[1]
     else:
         if kind == "gguf":
-            # Parsing a large vocabulary's GGUF metadata takes seconds: parse it once for both.
+            # Parsing a large vocabulary's GGUF metadata is not free: parse it once for both.
             reader = open_gguf(path)
             if options.quantize == "auto" and quantize == "int4" and not linear_weights_are_4bit(reader):
                 quantize = auto_quantize_mixed_gguf()

@@ -11,8 +11,8 @@ Reference: transformers `AutoTokenizer.from_pretrained(folder, gguf_file=...)`, 
   user-defined pieces greedily (31 + 9). The shared text set keeps runs <= 31; a separate test checks the
   greedy split against the GGUF vocabulary itself.
 
-Both GGUF files are parsed once (gguf.GGUFReader takes ~10 s on Gemma's 262k vocabulary) and the reader is
-shared with the reference loader.
+Both GGUF files are parsed once per process (Gemma's 262k-token vocabulary is most of a header) and the
+reader is shared with the reference loader.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from jaxinfer.runtime import (
     default_cache_dtype,
     resolve_quantize,
 )
+from tests.test_int4 import ISAS_HERE
 
 
 def test_auto_quantisation_is_int4_for_gguf_and_int8_otherwise_on_cpu_only():
@@ -45,14 +46,8 @@ def test_auto_keeps_a_mixed_gguf_file_int4_only_where_the_kernels_run_avx2(monke
     assert auto_quantize_mixed_gguf() == "int8"
 
 
-def _cpu_has_avx2() -> bool:
-    from jaxinfer.cpu_kernels.native_build import AVX2, cpu_supports
-
-    return cpu_supports(AVX2)
-
-
 # Skipped only on CPUs without AVX2: where the CPU has it, a kernel that fails to build fails the test.
-@pytest.mark.skipif(not _cpu_has_avx2(), reason="this CPU has no AVX2 (the int4 kernel's AVX2 variant)")
+@pytest.mark.skipif("avx2" not in ISAS_HERE, reason="this CPU has no AVX2 (the int4 kernel's AVX2 variant)")
 def test_auto_loads_gemma3_as_its_own_4_and_5_bit_blocks_with_avx2_kernels(monkeypatch):
     # Gemma 3's Q4_K_M file: Q4_K and Q5_0 layers beside Q6_K and Q8_0 ones. With the kernels capped at
     # AVX2, auto keeps the 4- and 5-bit blocks as they are (as int8 they would be neither form).

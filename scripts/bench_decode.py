@@ -1,7 +1,7 @@
 """Prefill and decode speed of the embedded models, next to transformers measured in the same run.
 
     .venv/bin/python scripts/bench_decode.py [--models smollm2-135m-instruct gemma3-270m]
-        [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize int8|int4|none]
+        [--batches 1 4 8 16 32] [--prefill-len 512] [--prompt-len 128] [--quantize auto|int8|int4|none]
         [--kv-cache-dtype float32|bfloat16|int8] [--page-size N] [--repeats 3]
         [--llama-bench /path/to/llama-bench] [--rounds N]
 
@@ -34,7 +34,7 @@ from jaxinfer.engine import DecodeBatch, PrefillChunk
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.kernel_dispatch import weight_read_bytes
 from jaxinfer.kv_cache import contiguous_page_table
-from jaxinfer.quantization import QUANTIZATION_MODES
+from jaxinfer.quantization import QUANTIZATION_MODES, quantization_of
 from jaxinfer.request import SamplingParams
 from jaxinfer.roofline import measure_bandwidth_gbs
 from jaxinfer.runtime import RuntimeOptions, build_runtime
@@ -73,7 +73,7 @@ def bench_ours(
     )  # fmt: skip
     params, config = runtime.engine.params, runtime.config
     greedy = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    result: dict = {"path": str(runtime.model.path)}
+    result: dict = {"path": str(runtime.model.path), "quantization": quantization_of(runtime.model.params)}
     cache_dtype = runtime.engine.cache_config.dtype  # given, or the CLI's default for this backend
     page_size = runtime.engine.page_size
     pages_per_slot = -(-max_len // page_size)
@@ -211,7 +211,12 @@ def main() -> None:
         help="measure jaxinfer and llama.cpp this many times, alternating; report medians and the median "
         "of the per-round ratios (a shared VM's speed drifts between runs)",
     )  # fmt: skip
-    parser.add_argument("--quantize", default="int8", choices=QUANTIZATION_MODES)
+    parser.add_argument(
+        "--quantize",
+        default="auto",
+        choices=["auto", *QUANTIZATION_MODES],
+        help="the weights to time; auto: what `jaxinfer generate` serves for each model here",
+    )
     parser.add_argument("--kv-cache-dtype", default=None, help="default: the CLI's (bfloat16 on CPU)")
     parser.add_argument("--page-size", type=int, default=None, help="default: the CLI's for this backend")
     parser.add_argument("--no-transformers", action="store_true")
@@ -243,7 +248,7 @@ def main() -> None:
                 )
                 for i, batch in enumerate(args.batches)
             }  # fmt: skip
-            path = ours[args.batches[0]]["path"]
+            path, weights = ours[args.batches[0]]["path"], ours[args.batches[0]]["quantization"]
             lcpp = {}
             if args.llama_bench:
                 lcpp = bench_llama_cpp(
@@ -272,14 +277,14 @@ def main() -> None:
                 step_bytes = statistics.median(ours[batch]["step_bytes"] for ours, _ in rounds)
                 frac = statistics.median(mine) * step_bytes / (batch * bandwidth * 1e9)
             ours_tps = statistics.median(mine)
-            rows.append((name, label, ours_tps, ref.get(key), statistics.median(theirs) if theirs else None,
-                         ratio, frac))  # fmt: skip
+            lcpp_tps = statistics.median(theirs) if theirs else None
+            rows.append((f"{name} {weights}", label, ours_tps, ref.get(key), lcpp_tps, ratio, frac))
 
-    header = f"{'model':<24}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}{'ratio':>8}"
+    header = f"{'model, weights':<30}{'metric':<18}{'jaxinfer tok/s':>16}{'transformers':>14}{'ratio':>8}"
     header += f"{'llama.cpp':>11}{'ratio':>8}{'roofline':>10}"
     print("\n" + header)
     for name, metric, ours_tps, ref_tps, lcpp_tps, lcpp_ratio, frac in rows:
-        line = f"{name:<24}{metric:<18}{ours_tps:16.1f}"
+        line = f"{name:<30}{metric:<18}{ours_tps:16.1f}"
         ref_ratio = ours_tps / ref_tps if ref_tps else None
         for other, ratio, width in ((ref_tps, ref_ratio, 14), (lcpp_tps, lcpp_ratio, 11)):
             line += f"{other:{width}.1f}{ratio:7.2f}x" if other else f"{'-':>{width}}{'-':>8}"

@@ -248,7 +248,8 @@ def main() -> None:
                 )
                 for i, batch in enumerate(args.batches)
             }  # fmt: skip
-            path, weights = ours[args.batches[0]]["path"], ours[args.batches[0]]["quantization"]
+            first = ours[args.batches[0]]
+            path, weights = first["path"], first["quantization"]
             lcpp = {}
             if args.llama_bench:
                 lcpp = bench_llama_cpp(

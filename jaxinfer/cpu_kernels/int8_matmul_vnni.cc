@@ -64,7 +64,7 @@ void Tile(const Problem& p, int64_t m0, int64_t n0, bool prefetch_next) {
       for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * p.k * kBlockN + k * kBlockN);
       if (prefetch_next)
         for (int j = 0; j < NB; ++j)
-          _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * p.k * kBlockN + k * kBlockN), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * p.k * kBlockN + k * kBlockN), _MM_HINT_T1);
       for (int i = 0; i < MR; ++i) {
         int32_t four;
         __builtin_memcpy(&four, p.x + (m0 + i) * p.k + k, 4);
@@ -100,6 +100,11 @@ constexpr int kBlocksOneRow = 8;
 // weights fit the 32 registers, where a tile of four and one of one pass over the weights twice (the
 // 49152 x 576 SmolLM2 logits at 5 rows: 1.80 -> 1.35 ms).
 constexpr bool kFiveRowTile = true;
+// The first row group asks for the next column group's weights, into L2 (T1): every product's one pass
+// over memory then streams ahead of its multiply-adds, whatever its rows. Nine alternations on a Zen 4
+// EPYC, the 49152 x 576 SmolLM2 logits: 0.92x the time at 1 row, 0.82x at 2-3, 0.66x at 5 (against the
+// last group's L1 prefetch below), 0.86x at 16, 0.97x at 64. Into L1 (T0), the same hints slowed one row.
+constexpr bool kFirstGroupPrefetches = true;
 
 #else  // AVX2
 
@@ -163,28 +168,30 @@ constexpr int kBlocks = 1;
 constexpr int kBlocksFewRows = 1;
 constexpr int kBlocksOneRow = 1;
 constexpr bool kFiveRowTile = false;
+constexpr bool kFirstGroupPrefetches = false;
 
 #endif
 
+// Whether the row group from m0 (the last when `last`) prefetches the next column group's weights, one
+// cache line per block and step of 4 inputs. AVX-512: the first group, into L2 (kFirstGroupPrefetches).
+// AVX2: the last group, into L1, so that the first row group of the next column group finds them there
+// instead of waiting on memory while the compute units idle (a product whose weights stream from memory
+// at several rows, such as Gemma 3's 262k x 640 logits at 16: ~15% of its time; docs/benchmarks.md);
+// fewer rows than a row group prefetch ahead within their own stream instead (kPrefetchAhead).
+inline bool PrefetchesNext(int64_t m0, bool last) { return kFirstGroupPrefetches ? m0 == 0 : last; }
+
 // Every row group over NB blocks of 16 outputs from n0: their weights (K * 16 * NB bytes) stay in L1.
-// The last row group also prefetches the next group's weights, one cache line per block and step of 4
-// inputs: the first row group of the next column group then finds them in L1 instead of waiting on
-// memory while the compute units idle (a product whose weights stream from memory at several rows, such
-// as Gemma 3's 262k x 640 logits at 16: ~15% of its time; docs/benchmarks.md). Fewer rows than a row
-// group do not: their pass only streams the weights, and the next group's prefetches compete with its own
-// loads (with AVX-512, a one-row decode step of Gemma 3 runs ~9% faster without them; the AVX2 tile
-// prefetches ahead within its own stream instead, kPrefetchAhead).
 template <int NB>
 void Rows(const Problem& p, int64_t n0) {
   if constexpr (kFiveRowTile) {
-    if (p.m == 5) return Tile<5, NB>(p, 0, n0, true);
+    if (p.m == 5) return Tile<5, NB>(p, 0, n0, PrefetchesNext(0, true));
   }
   int64_t m = 0;
-  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, n0, m + kRows == p.m);
+  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB>(p, m, n0, PrefetchesNext(m, m + kRows == p.m));
   switch (p.m - m) {
-    case 3: Tile<3, NB>(p, m, n0, m > 0); break;
-    case 2: Tile<2, NB>(p, m, n0, m > 0); break;
-    case 1: Tile<1, NB>(p, m, n0, m > 0); break;
+    case 3: Tile<3, NB>(p, m, n0, PrefetchesNext(m, m > 0)); break;
+    case 2: Tile<2, NB>(p, m, n0, PrefetchesNext(m, m > 0)); break;
+    case 1: Tile<1, NB>(p, m, n0, PrefetchesNext(m, m > 0)); break;
     default: break;
   }
 }

@@ -19,6 +19,7 @@ from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
 from jaxinfer.speculation.config import (
     SpeculationConfig,
     default_max_rows,
+    default_min_accepted,
     default_num_draft_tokens,
     min_probabilities,
 )
@@ -170,7 +171,7 @@ def _runtime_options(args: argparse.Namespace):
         try:
             kwargs["speculation"] = SpeculationConfig(
                 method=args.speculative, num_draft_tokens=drafts, max_rows=max_rows,
-                draft_min_probability=args.draft_min_probability,
+                min_accepted=default_min_accepted(), draft_min_probability=args.draft_min_probability,
             )  # fmt: skip
         except ValueError as e:
             raise UserError(str(e)) from e

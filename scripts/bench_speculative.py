@@ -41,6 +41,7 @@ from jaxinfer.speculation.config import (  # noqa: E402
     SpeculationConfig,
     SpeculativeMethod,
     default_max_rows,
+    default_min_accepted,
     default_num_draft_tokens,
     min_probabilities,
 )
@@ -106,8 +107,9 @@ def main() -> None:
         "to find where verifying drafts stops paying (SpeculationConfig.max_rows)",
     )  # fmt: skip
     ap.add_argument(
-        "--min-accepted", type=float, default=SpeculationConfig.min_accepted,
-        help="the adaptive pause's threshold (0: never pause, the drafters' raw effect)",
+        "--min-accepted", type=float, default=None,
+        help="the adaptive pause's threshold (0: never pause, the drafters' raw effect); default: "
+        "default_min_accepted()",
     )  # fmt: skip
     args = ap.parse_args()
 
@@ -115,7 +117,8 @@ def main() -> None:
     drafts = default_num_draft_tokens() if args.num_draft_tokens is None else args.num_draft_tokens
     config = SpeculationConfig(
         method=SpeculativeMethod.NGRAM, num_draft_tokens=drafts,
-        min_accepted=args.min_accepted, draft_min_probability=args.draft_min_probability,
+        min_accepted=default_min_accepted() if args.min_accepted is None else args.min_accepted,
+        draft_min_probability=args.draft_min_probability,
         max_rows=default_max_rows(),
     )  # fmt: skip
     options = RuntimeOptions(

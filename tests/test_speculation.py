@@ -18,7 +18,12 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
 from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
-from jaxinfer.speculation.config import SpeculationConfig, default_max_rows, default_num_draft_tokens
+from jaxinfer.speculation.config import (
+    SpeculationConfig,
+    default_max_rows,
+    default_min_accepted,
+    default_num_draft_tokens,
+)
 from jaxinfer.speculation.draft_heads import init_heads
 from jaxinfer.speculation.gate import DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
@@ -458,7 +463,7 @@ def test_speculation_stops_when_more_requests_decode_than_max_rows():
     assert all(len(listed) <= 2 for listed in verified)  # and only while at most two decoded
 
 
-def test_a_servers_batch_switch_defaults_to_its_backends_measured_crossover(monkeypatch):
+def test_a_servers_speculation_defaults_follow_its_backends_measurements(monkeypatch):
     from jaxinfer.cli import _runtime_options, build_parser
     from jaxinfer.cpu_kernels import native_build
 
@@ -466,15 +471,23 @@ def test_a_servers_batch_switch_defaults_to_its_backends_measured_crossover(monk
         args = build_parser().parse_args(["generate", "--speculative", "ngram", *flags, "hello"])
         return _runtime_options(args).speculation
 
+    def defaults() -> tuple:
+        return default_max_rows(), default_num_draft_tokens(), default_min_accepted()
+
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    for isa, rows, drafts in ((native_build.AVX512_VNNI, 4, 4), (native_build.AVX2, 1, 2), (None, 1, 2)):
+    for isa, rows, drafts, pause in (
+        (native_build.AVX512_VNNI, 4, 4, 0.2),
+        (native_build.AVX2, 1, 2, 0.5),
+        (None, 1, 2, 0.5),
+    ):
         monkeypatch.setattr(native_build, "best_isa", lambda isa=isa: isa)
-        assert (default_max_rows(), default_num_draft_tokens()) == (rows, drafts), isa
-        assert (options().max_rows, options().num_draft_tokens) == (rows, drafts), isa
+        assert defaults() == (rows, drafts, pause), isa
+        config = options()
+        assert (config.max_rows, config.num_draft_tokens, config.min_accepted) == (rows, drafts, pause), isa
         assert options("--speculative-max-rows", "3").max_rows == 3  # the flags win
         assert options("--num-draft-tokens", "3").num_draft_tokens == 3
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert (default_max_rows(), default_num_draft_tokens()) == (4, 4)
+    assert defaults() == (4, 4, 0.2)
 
 
 def test_a_request_cannot_ask_for_what_the_server_lacks():

@@ -29,7 +29,8 @@ class SpeculationConfig:
         up to 16x): a step that verifies drafts costs more than a plain one, for every request in it,
         so drafts that keep failing slow the batch down. A step whose draft heads ran for the request
         and were sure of nothing counts as a step that accepted none: the heads cost the step their
-        time. Each drafter pauses apart (speculation.gate).
+        time. Each drafter pauses apart (speculation.gate). A server's default is
+        default_min_accepted(), measured on its backend.
     ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
     draft_min_probability: draft heads draft while their guess is at least this likely under them
         (draft_heads.propose), one threshold per depth (the last for every deeper draft): on CPU a
@@ -75,6 +76,16 @@ def default_num_draft_tokens() -> int:
     EPYC, 16 chat prompts, geometric mean 0.92-0.94x with four drafts against 1.01-1.02x with two (the
     code edit 0.93-0.96x / 1.02-1.03x). Elsewhere 4."""
     return 2 if _verified_positions_cost_their_multiplies() else SpeculationConfig.num_draft_tokens
+
+
+def default_min_accepted() -> float:
+    """The drafts per step below which a request's drafter pauses, by default on this backend
+    (docs/benchmarks.md). With AVX-512 VNNI a verification step of a few positions reads the weights
+    about as fast as a plain step, so drafts pay at a low acceptance and pausing them loses more than
+    it saves: SmolLM2 with its draft heads at one stream on a Zen 4 EPYC, 16 chat prompts, geometric
+    mean 1.45x at 0.2 against 1.40x at 0.5 (prompt lookup alone: 1.30x either way). Where each verified
+    position costs its own multiplies, 0.5."""
+    return SpeculationConfig.min_accepted if _verified_positions_cost_their_multiplies() else 0.2
 
 
 def _verified_positions_cost_their_multiplies() -> bool:

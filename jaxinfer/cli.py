@@ -16,13 +16,7 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
-from jaxinfer.speculation.config import (
-    SpeculationConfig,
-    default_max_rows,
-    default_min_accepted,
-    default_num_draft_tokens,
-    min_probabilities,
-)
+from jaxinfer.speculation.config import SpeculationConfig, min_probabilities, server_config
 
 # quantization.QUANTIZATION_MODES, spelled out so that `jaxinfer --help` does not import jax
 QUANTIZATION_MODES = ("none", "int8", "int4")
@@ -166,12 +160,10 @@ def _runtime_options(args: argparse.Namespace):
     if args.weights_cache is not None:
         kwargs["weights_cache_dir"] = args.weights_cache or None
     if args.speculative != "off":
-        max_rows = default_max_rows() if args.speculative_max_rows is None else args.speculative_max_rows
-        drafts = default_num_draft_tokens() if args.num_draft_tokens is None else args.num_draft_tokens
         try:
-            kwargs["speculation"] = SpeculationConfig(
-                method=args.speculative, num_draft_tokens=drafts, max_rows=max_rows,
-                min_accepted=default_min_accepted(), draft_min_probability=args.draft_min_probability,
+            kwargs["speculation"] = server_config(
+                args.speculative, num_draft_tokens=args.num_draft_tokens, max_rows=args.speculative_max_rows,
+                draft_min_probability=args.draft_min_probability,
             )  # fmt: skip
         except ValueError as e:
             raise UserError(str(e)) from e

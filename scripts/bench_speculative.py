@@ -40,10 +40,8 @@ from jaxinfer.runtime import RuntimeOptions, build_runtime  # noqa: E402
 from jaxinfer.speculation.config import (  # noqa: E402
     SpeculationConfig,
     SpeculativeMethod,
-    default_max_rows,
-    default_min_accepted,
-    default_num_draft_tokens,
     min_probabilities,
+    server_config,
 )
 
 
@@ -114,12 +112,9 @@ def main() -> None:
     args = ap.parse_args()
 
     print(cpu_description())
-    drafts = default_num_draft_tokens() if args.num_draft_tokens is None else args.num_draft_tokens
-    config = SpeculationConfig(
-        method=SpeculativeMethod.NGRAM, num_draft_tokens=drafts,
-        min_accepted=default_min_accepted() if args.min_accepted is None else args.min_accepted,
+    config = server_config(
+        SpeculativeMethod.NGRAM, num_draft_tokens=args.num_draft_tokens, min_accepted=args.min_accepted,
         draft_min_probability=args.draft_min_probability,
-        max_rows=default_max_rows(),
     )  # fmt: skip
     options = RuntimeOptions(
         model=args.model, quantize=args.quantize, num_slots=args.streams, speculation=config,

@@ -23,6 +23,7 @@ from jaxinfer.speculation.config import (
     default_max_rows,
     default_min_accepted,
     default_num_draft_tokens,
+    server_config,
 )
 from jaxinfer.speculation.draft_heads import init_heads
 from jaxinfer.speculation.gate import DraftGate
@@ -486,6 +487,7 @@ def test_a_servers_speculation_defaults_follow_its_backends_measurements(monkeyp
         assert (config.max_rows, config.num_draft_tokens, config.min_accepted) == (rows, drafts, pause), isa
         assert options("--speculative-max-rows", "3").max_rows == 3  # the flags win
         assert options("--num-draft-tokens", "3").num_draft_tokens == 3
+        assert server_config("heads", min_accepted=0.7).min_accepted == 0.7  # a script's own value wins
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert defaults() == (4, 4, 0.2)
 

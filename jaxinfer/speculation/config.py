@@ -88,6 +88,19 @@ def default_min_accepted() -> float:
     return SpeculationConfig.min_accepted if _verified_positions_cost_their_multiplies() else 0.2
 
 
+def server_config(method: SpeculativeMethod | str, **fields) -> SpeculationConfig:
+    """A server's speculation config: the `fields` given (those not None) as they are, and
+    num_draft_tokens, max_rows and min_accepted otherwise as measured on this backend (the default_*()
+    functions above)."""
+    measured = dict(
+        num_draft_tokens=default_num_draft_tokens(),
+        max_rows=default_max_rows(),
+        min_accepted=default_min_accepted(),
+    )
+    given = {name: value for name, value in fields.items() if value is not None}
+    return SpeculationConfig(method=method, **{**measured, **given})
+
+
 def _verified_positions_cost_their_multiplies() -> bool:
     """A CPU whose native kernels run AVX2 alone, or none (XLA): even one row keeps the multipliers
     busy, so each position a step verifies adds about its own multiply time."""

@@ -208,8 +208,9 @@ def auto_quantize_mixed_gguf() -> str:
     others int8) where the kernels run AVX2 alone, int8 with AVX-512 VNNI.
 
     With VNNI, one instruction multiplies and adds 4 int8 pairs, and the 4- and 5-bit kernels do more per
-    weight than the int8 one: kept as int4 / int5 / int8, Gemma 3's decode step is no faster at one
-    stream (9.80 vs 9.70 ms) and slower at 16 (36.4 vs 34.2 ms). AVX2's int8 product needs two vector
+    weight than the int8 one: kept as int4 / int5 / int8, Gemma 3 on a Zen 4 EPYC (both runtimes in one
+    process, alternated) decodes one stream 3% faster, 16 streams 10% slower and prefills 512 tokens 19%
+    slower than as int8. AVX2's int8 product needs two vector
     multiplies per 32 multiply-adds (vpmaddubsw, then vpmaddwd to widen), the 4-bit one about one (its
     small products widen once per block of 32 inputs). On a Zen 1 EPYC, Gemma 3 kept as int4 against
     int8, two alternations: prefill 512 273-285 vs 224-230 tok/s (1.71-1.79x llama.cpp vs 1.40x), 16

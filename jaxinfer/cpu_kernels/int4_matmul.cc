@@ -71,6 +71,25 @@ inline __mmask64 LoadMask(const uint8_t* at) {
   return _cvtu64_mask64(bits);
 }
 
+// Chunk c of output block nb as two vectors of 4 inputs x 16 outputs: its low nibbles and its high ones,
+// each with its fifth bits for int5. `ahead` > 0: ask for the weights that many bytes on, into L2.
+template <bool kFive>
+inline void UnpackChunk(const Problem& p, int64_t nb, int64_t c, int64_t ahead, __m512i& lo, __m512i& hi) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i sixteen = _mm512_set1_epi8(16);
+  const int64_t at = nb * (p.k / kChunkK) + c;
+  const uint8_t* w = p.w + at * 64;
+  if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(w + ahead), _MM_HINT_T1);
+  const __m512i v = _mm512_loadu_si512(w);
+  lo = _mm512_and_si512(v, low);
+  hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  if constexpr (kFive) {
+    const uint8_t* bits = p.high + at * 16;
+    lo = _mm512_mask_add_epi8(lo, LoadMask(bits), lo, sixteen);
+    hi = _mm512_mask_add_epi8(hi, LoadMask(bits + 8), hi, sixteen);
+  }
+}
+
 // MR rows x NB blocks of 16 outputs starting at block nb0. The first row group asks for the next NB
 // blocks' weights (the next tile's) into L2 as it loads its own, so that every product's one pass over
 // memory streams ahead of its multiply-adds: SmolLM2's 120 layer products chained, alternated 15 times
@@ -79,8 +98,6 @@ inline __mmask64 LoadMask(const uint8_t* at) {
 // already unpacked (`unpacked`: UnpackBlocks' vectors).
 template <int MR, int NB, bool kFive, bool kUnpacked = false>
 void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m512i* unpacked = nullptr) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i sixteen = _mm512_set1_epi8(16);
   __m512 total[MR][NB];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NB; ++j) total[i][j] = _mm512_setzero_ps();
@@ -98,17 +115,8 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m512i* unpacked = n
           if constexpr (kUnpacked) {
             lo[j] = _mm512_loadu_si512(unpacked + 2 * (j * chunks + c));
             hi[j] = _mm512_loadu_si512(unpacked + 2 * (j * chunks + c) + 1);
-            continue;
-          }
-          const uint8_t* w = p.w + ((nb0 + j) * chunks + c) * 64;
-          if (m0 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + NB * chunks * 64), _MM_HINT_T1);
-          const __m512i v = _mm512_loadu_si512(w);
-          lo[j] = _mm512_and_si512(v, low);
-          hi[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-          if constexpr (kFive) {
-            const uint8_t* bits = p.high + ((nb0 + j) * chunks + c) * 16;
-            lo[j] = _mm512_mask_add_epi8(lo[j], LoadMask(bits), lo[j], sixteen);
-            hi[j] = _mm512_mask_add_epi8(hi[j], LoadMask(bits + 8), hi[j], sixteen);
+          } else {
+            UnpackChunk<kFive>(p, nb0 + j, c, m0 == 0 ? NB * chunks * 64 : 0, lo[j], hi[j]);
           }
         }
         for (int i = 0; i < MR; ++i) {
@@ -151,23 +159,26 @@ constexpr int64_t kUnpackOnceFromRows = 32;
 // from memory and asks for the next NB blocks into L2, as the tile's first row group does.
 template <int NB, bool kFive>
 void UnpackBlocks(const Problem& p, int64_t nb0, __m512i* unpacked) {
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512i sixteen = _mm512_set1_epi8(16);
   const int64_t chunks = p.k / kChunkK;
   for (int j = 0; j < NB; ++j)
     for (int64_t c = 0; c < chunks; ++c) {
-      const uint8_t* w = p.w + ((nb0 + j) * chunks + c) * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(w + NB * chunks * 64), _MM_HINT_T1);
-      const __m512i v = _mm512_loadu_si512(w);
-      __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      if constexpr (kFive) {
-        const uint8_t* bits = p.high + ((nb0 + j) * chunks + c) * 16;
-        lo = _mm512_mask_add_epi8(lo, LoadMask(bits), lo, sixteen);
-        hi = _mm512_mask_add_epi8(hi, LoadMask(bits + 8), hi, sixteen);
-      }
+      __m512i lo, hi;
+      UnpackChunk<kFive>(p, nb0 + j, c, NB * chunks * 64, lo, hi);
       _mm512_storeu_si512(unpacked + 2 * (j * chunks + c), lo);
       _mm512_storeu_si512(unpacked + 2 * (j * chunks + c) + 1, hi);
     }
+}
+
+// Every row in groups of kRows, then one group of the rest, over blocks [nb0, nb0 + NB).
+template <int NB, bool kFive, bool kUnpacked>
+void RowGroups(const Problem& p, int64_t nb0, const __m512i* unpacked = nullptr) {
+  int64_t m = 0;
+  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB, kFive, kUnpacked>(p, m, nb0, unpacked);
+  switch (p.m - m) {
+    case 3: Tile<3, NB, kFive, kUnpacked>(p, m, nb0, unpacked); break;
+    case 2: Tile<2, NB, kFive, kUnpacked>(p, m, nb0, unpacked); break;
+    case 1: Tile<1, NB, kFive, kUnpacked>(p, m, nb0, unpacked); break;
+  }
 }
 // Up to five rows (decode of a few streams, a verification step of up to four drafts) run as one tile:
 // the weights are unpacked once for all the rows. One row spans four output blocks, so that more
@@ -321,28 +332,16 @@ constexpr int64_t kMinSplitWork = int64_t{1} << 17;
 // Every row group over NB output blocks from nb0: the blocks' weights stay in L1/L2 across row groups.
 template <int NB, bool kFive>
 void Rows(const Problem& p, int64_t nb0) {
-  int64_t m = 0;
 #if defined(__AVX512VNNI__)
   if (kFive && p.m >= kUnpackOnceFromRows) {
     thread_local std::vector<__m512i> unpacked;
     unpacked.resize(2 * NB * (p.k / kChunkK));
     UnpackBlocks<NB, kFive>(p, nb0, unpacked.data());
-    const __m512i* u = unpacked.data();
-    for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB, kFive, true>(p, m, nb0, u);
-    switch (p.m - m) {
-      case 3: Tile<3, NB, kFive, true>(p, m, nb0, u); break;
-      case 2: Tile<2, NB, kFive, true>(p, m, nb0, u); break;
-      case 1: Tile<1, NB, kFive, true>(p, m, nb0, u); break;
-    }
-    return;
+    return RowGroups<NB, kFive, true>(p, nb0, unpacked.data());
   }
-  for (; m + kRows <= p.m; m += kRows) Tile<kRows, NB, kFive>(p, m, nb0);
-  switch (p.m - m) {
-    case 3: Tile<3, NB, kFive>(p, m, nb0); break;
-    case 2: Tile<2, NB, kFive>(p, m, nb0); break;
-    case 1: Tile<1, NB, kFive>(p, m, nb0); break;
-  }
+  RowGroups<NB, kFive, false>(p, nb0);
 #else
+  int64_t m = 0;
   // Fewer rows stream the block in groups of four, the inner loop's accumulators, weights and activations
   // all in registers. Each group unpacks every chunk again, so a count that would leave a lone row starts
   // with three and two instead (a step verifying two or four drafts is three or five rows).

@@ -143,7 +143,8 @@ class OpenAIServer:
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise RequestError(f"unsupported fields {unknown}", unknown[0])
-        model = body.get("model")
+        # One model per server: a request that names none means it (as vLLM reads the field).
+        model = body.get("model", self.model_name)
         if model != self.model_name:
             raise ApiError(
                 404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",

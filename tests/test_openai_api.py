@@ -241,6 +241,13 @@ def test_curl_streams_sse_and_reports_errors(server):
         capture_output=True, text=True, timeout=30, check=True,
     ).stdout.rsplit("\n", 1)  # fmt: skip
     assert denied[1] == "401" and json.loads(denied[0])["error"]["code"] == "invalid_api_key"
+    # curl users often leave out "model": a one-model server reads that as its model.
+    unnamed = {k: v for k, v in body.items() if k != "model"} | {"stream": False}
+    reply = subprocess.run(
+        ["curl", "-s", url, "-H", f"Authorization: Bearer {KEY}", "-d", json.dumps(unnamed)],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert json.loads(reply)["model"] == MODEL
 
 
 def test_a_client_that_disconnects_frees_its_slot():

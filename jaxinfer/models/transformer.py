@@ -53,6 +53,10 @@ def sum_last_axis(x: jax.Array) -> jax.Array:
     return x
 
 
+# Jitted, so that a program traces and lowers the norm once per shape rather than at each of its ~70
+# calls (SmolLM2's 13 step programs: 5.7 s to trace and lower instead of 7.8); XLA inlines the call, and
+# the optimised program is the same.
+@functools.partial(jax.jit, static_argnames="eps")
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """x: [..., dim]; weight: [dim], the effective multiplier (Gemma's 1 + w already folded in)."""
     x32 = x.astype(jnp.float32)

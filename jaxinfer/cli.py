@@ -89,7 +89,11 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
         help="auto: Pallas kernels on TPU/GPU; on CPU the native C++ decode kernel where the CPU has "
         "AVX2 or AVX-512 (JAXINFER_NATIVE_KERNELS=0 turns the native kernels off), else XLA",
     )  # fmt: skip
-    p.add_argument("--compilation-cache", default=None, help="persistent XLA cache folder ('' disables)")
+    p.add_argument(
+        "--compilation-cache", default=None,
+        help="compiled-program cache folder ('' disables): serve and batch keep their programs there and "
+        "load them without tracing; generate keeps XLA's persistent cache there",
+    )  # fmt: skip
     p.add_argument(
         "--speculative", default="off", choices=["off", "ngram", "heads"],
         help="speculative decoding: draft tokens by prompt lookup (ngram) or by draft heads on the model's "
@@ -145,7 +149,7 @@ def _sampling_fields(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in _SAMPLING_FLAGS if getattr(args, name) is not None}
 
 
-def _runtime_options(args: argparse.Namespace):
+def _runtime_options(args: argparse.Namespace, *, program_cache: bool = False):
     from jaxinfer.runtime import RuntimeOptions, parse_memory_size
     from jaxinfer.sharding import parse_mesh
 
@@ -182,6 +186,7 @@ def _runtime_options(args: argparse.Namespace):
         int8_activations=args.int8_activations,
         attention_impl=args.attention_impl,
         draft_heads=args.draft_heads,
+        program_cache=program_cache,
         **kwargs,
     )
 
@@ -311,7 +316,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.coordinator:
         # Before anything touches a device: every process must join the cluster first.
         cluster = multihost.initialize(args.coordinator, args.num_processes, args.process_id)
-    options = _runtime_options(args)
+    options = _runtime_options(args, program_cache=True)
     if cluster is not None and options.mesh is None:
         options = dataclasses.replace(options, mesh=multihost.default_mesh_shape())
     runtime = build_runtime(options)
@@ -319,8 +324,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def lead(engine) -> int:
         seconds = engine.warmup()
         log.warning(
-            "warm-up compiled %d programs in %.1fs (load %.1fs); nothing compiles while serving",
-            runtime.engine.compile_count, seconds, runtime.load_seconds,
+            "warm-up prepared %d programs (%d loaded from the program cache) in %.1fs (load %.1fs); nothing "
+            "compiles while serving",
+            runtime.engine.compile_count, runtime.engine.loaded_count, seconds, runtime.load_seconds,
         )  # fmt: skip
         orchestrator = Orchestrator(
             engine, runtime.tokenizer, max_queue=args.max_queue,
@@ -351,7 +357,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     parse_sampling(fields).validate()  # a bad flag fails before the model loads
     if not os.path.exists(args.input):
         raise UserError(f"no such input file: {args.input}")
-    runtime = build_runtime(_runtime_options(args))
+    runtime = build_runtime(_runtime_options(args, program_cache=True))
     if not args.no_warmup:
         runtime.engine.warmup()  # compile every bucket now, so the progress bar's rate and ETA hold
     summary = run_batch(

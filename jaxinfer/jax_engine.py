@@ -19,7 +19,8 @@ Programs, all compiled ahead of time and kept in a table keyed by their static s
 With draft heads, prefill samplers and verify programs also propose each slot's next drafts (W = 0: a
 decode step that proposes, after a step whose heads were unsure of every draft).
 Nothing else is traced while serving: `warmup()` compiles every bucket, and `compile_count` tells a test
-whether anything compiled later. With JAX's persistent compilation cache on, a second start reuses them.
+whether anything compiled later. A second start reuses them: `serve` and `batch` load them without
+tracing (program_cache), elsewhere JAX's persistent compilation cache skips their XLA compilation.
 
 The engine keeps no host-side record of requests: every call carries the positions and page tables it
 needs (the scheduler owns them), so the programs and their buckets follow from the arguments alone.
@@ -32,6 +33,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,12 +43,14 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer import engine as api
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
+from jaxinfer.cpu_kernels.native_build import register_chosen_kernels
 from jaxinfer.jit_mappings import MappingBudget
 from jaxinfer.kernel_dispatch import MAX_QUERIES_AS_ROWS, ROWS_AS_VECTORS, native_attention
 from jaxinfer.kv_cache import KVCache, init_cache
 from jaxinfer.layer_stack import stack_layers
 from jaxinfer.models.params import Params
 from jaxinfer.models.transformer import forward_hidden, output_logits
+from jaxinfer.program_cache import ProgramCache, serves
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs, verify_drafts
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
@@ -396,11 +400,13 @@ class JaxEngine(api.Engine):
         num_draft_tokens: int = 0,
         draft_heads: DraftHeads | None = None,
         draft_min_probability: float | Sequence[float] = 0.0,
+        program_cache_dir: str | Path | None = None,
     ):
         """num_draft_tokens: most drafts a decode step verifies per row (0: no speculation);
         draft_heads: heads that propose drafts in every prefill and verification step (replicated);
         draft_min_probability: the heads draft while their guess is at least this likely, a threshold
-        per depth (propose)."""
+        per depth (propose); program_cache_dir: compiled programs kept there and loaded without tracing
+        (program_cache; one device in one process)."""
         self.mesh = mesh or make_mesh()
         self.kernels = kernels or KernelConfig.for_backend(
             jax.default_backend(), "xla", single_device=self.mesh.size == 1
@@ -457,8 +463,16 @@ class JaxEngine(api.Engine):
         self.state = self._init_state()
         self._programs: dict[tuple, object] = {}
         self._allow_all: dict[int, jax.Array] = {}
-        self.compile_count = 0
+        self.compile_count = 0  # programs made ready: compiled, or loaded from the program cache
+        self.loaded_count = 0  # of them, loaded
         self._warm = False
+        self._program_cache = None
+        if program_cache_dir and serves(self.mesh):
+            devices = list(self.mesh.devices.flat)
+            static = (config, self.kernels, cache_config, self._draft_min_probability, self.mesh)
+            context = repr((*static, [d.id for d in devices]))
+            self._program_cache = ProgramCache(program_cache_dir, context, devices)
+            register_chosen_kernels()
 
     # -- Engine properties -------------------------------------------------------------------------
     @property
@@ -532,21 +546,27 @@ class JaxEngine(api.Engine):
             if self._warm:
                 log.warning("compiling %s after warm-up: a bucket was missed", key)
             start = time.perf_counter()
-            step, samples = _STEPS[key[0]]
-            fn = functools.partial(step, config=self.config, kernels=self.kernels)
-            # A forward pass hands its hidden states to the sampler on whatever sharding XLA picks;
-            # the sampler's packed rows go to the host, so every device holds them.
-            out = NamedSharding(self.mesh, P()) if samples else None
-            if samples:
-                fn = functools.partial(
-                    fn, max_len=self.max_seq_len, min_probability=self._draft_min_probability
-                )
-            jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), out))
-            program = jitted.lower(*args).compile()
+            if self._program_cache is None:
+                program = self._compile(key, args)
+            elif (program := self._program_cache.load(key, args)) is not None:
+                self.loaded_count += 1
+            else:
+                program = self._program_cache.compiled(key, args, lambda: self._compile(key, args))
             self._programs[key] = program
             self.compile_count += 1
-            log.debug("compiled %s in %.2fs", key, time.perf_counter() - start)
+            log.debug("made %s ready in %.2fs", key, time.perf_counter() - start)
         return program
+
+    def _compile(self, key: tuple, args: tuple):
+        step, samples = _STEPS[key[0]]
+        fn = functools.partial(step, config=self.config, kernels=self.kernels)
+        # A forward pass hands its hidden states to the sampler on whatever sharding XLA picks; the
+        # sampler's packed rows go to the host, so every device holds them.
+        out = NamedSharding(self.mesh, P()) if samples else None
+        if samples:
+            fn = functools.partial(fn, max_len=self.max_seq_len, min_probability=self._draft_min_probability)
+        jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), out))
+        return jitted.lower(*args).compile()
 
     def _run(self, key: tuple, *args) -> jax.Array:
         """Runs the program `key` over (params, state, *args), keeping its new state: its other output.

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax
 
+from jaxinfer import program_cache
 from jaxinfer.config import CacheConfig, KernelConfig, ModelConfig
 from jaxinfer.cpu_kernels import int4_matmul_available
 from jaxinfer.jax_engine import JaxEngine
@@ -77,6 +78,10 @@ class RuntimeOptions:
     int8_activations: bool = False
     attention_impl: str = "auto"  # auto | xla | pallas | native
     compilation_cache_dir: str | None = str(DEFAULT_COMPILATION_CACHE)
+    # Keep the engine's compiled programs there instead and load them without tracing (program_cache):
+    # for entry points that warm every bucket up at start (serve, batch). JAX's own cache, keyed by the
+    # traced program, is then off: its executables do not serialize whole.
+    program_cache: bool = False
     # int8 weights converted from a GGUF file are kept here (an orbax checkpoint per file), so a later
     # start skips parsing and dequantising the file. None or '' disables.
     weights_cache_dir: str | None = str(DEFAULT_WEIGHTS_CACHE)
@@ -302,6 +307,16 @@ def enable_compilation_cache(directory: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+def program_cache_dir(options: RuntimeOptions, mesh: jax.sharding.Mesh) -> Path | None:
+    """Where the engine keeps its compiled programs (program_cache), beside JAX's own cache entries;
+    None where it keeps none: not asked to, no cache folder, or more than one device or process."""
+    if not (options.program_cache and options.compilation_cache_dir):
+        return None
+    if not program_cache.serves(mesh):
+        return None
+    return Path(options.compilation_cache_dir) / "programs"
+
+
 def load_tokenizer(loaded: LoadedModel, gguf_reader=None) -> Tokenizer:
     if loaded.kind == "gguf":
         return Tokenizer.from_gguf(loaded.path, reader=gguf_reader)
@@ -350,9 +365,11 @@ def add_kernel_forms(params, kernels: KernelConfig):
 def build_runtime(options: RuntimeOptions) -> Runtime:
     """Loads weights straight into their shardings and builds the engine (programs compile lazily or in
     `engine.warmup()`)."""
-    enable_compilation_cache(options.compilation_cache_dir)
     start = time.perf_counter()
     mesh = make_mesh(options.mesh)
+    programs = program_cache_dir(options, mesh)
+    if programs is None:  # programs to keep compile afresh (program_cache)
+        enable_compilation_cache(options.compilation_cache_dir)
     dtype = default_dtype(options.dtype)
     placement = param_placement(mesh)
     kind, path = resolve_model(options.model)
@@ -406,6 +423,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         draft_heads=_draft_heads(options, loaded.config) if spec is not None else None,
         draft_min_probability=spec.draft_min_probability if spec is not None else 0.0,
+        program_cache_dir=programs,
     )
     seconds = time.perf_counter() - start
     log.info("loaded %s (%s) in %.1fs", options.model, loaded.config.arch, seconds)

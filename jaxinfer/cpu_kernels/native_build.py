@@ -159,6 +159,16 @@ def register_isa_kernels(source: Path, isa: Isa, symbols: tuple[str, ...]) -> bo
     return True
 
 
+_KERNELS: list[NativeKernel] = []
+
+
+def register_chosen_kernels() -> None:
+    """Registers the chosen variant of every native kernel, as tracing a program that calls one does: a
+    program loaded without tracing (program_cache) runs them by name."""
+    for kernel in _KERNELS:
+        kernel.available()
+
+
 class NativeKernel:
     """One C++ source, built once per ISA it supports (fastest first) and registered on first use.
 
@@ -168,6 +178,7 @@ class NativeKernel:
     def __init__(self, source: Path, symbols: tuple[str, ...], title: str, isas: tuple[Isa, ...] = ISAS):
         self.source, self.symbols, self.title, self.isas = source, symbols, title, isas
         self._built: dict[str, bool] = {}
+        _KERNELS.append(self)
 
     def chosen_isa(self) -> Isa | None:
         return best_isa(self.isas)

@@ -1,8 +1,8 @@
 """Compiled step programs on disk, found without tracing them.
 
 JAX's persistent compilation cache keys a program by its lowered HLO, so a process traces and lowers
-every program before that cache can answer: most of a warm start (a server's 25 SmolLM2 programs with
-draft heads and four slots spend ~17 of their ~23 s there). This cache keys a program by what decides it
+every program before that cache can answer: most of a warm start (a SmolLM2 server with draft heads and
+four slots: warm-up 18.4-19.5 s through JAX's cache, 6.3-6.9 s loading from this one). This cache keys a program by what decides it
 before tracing and keeps its serialized executable:
 
 - the environment: this package's source files, the jax and jaxlib versions, JAX's configuration, the

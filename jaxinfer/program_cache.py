@@ -2,8 +2,8 @@
 
 JAX's persistent compilation cache keys a program by its lowered HLO, so a process traces and lowers
 every program before that cache can answer: most of a warm start (a SmolLM2 server with draft heads and
-four slots: warm-up 18.4-19.5 s through JAX's cache, 6.3-6.9 s loading from this one). This cache keys a program by what decides it
-before tracing and keeps its serialized executable:
+four slots: warm-up 18.4-19.5 s through JAX's cache, 6.3-6.9 s loading from this one). This cache keys
+a program by what decides it before tracing and keeps its serialized executable:
 
 - the environment: this package's source files, the jax and jaxlib versions, JAX's configuration, the
   XLA / JAX / JAXINFER environment variables, the CPU's features and the devices;
@@ -94,8 +94,13 @@ class ProgramCache:
     """Serialized executables under `directory`, keyed by the environment, the engine's static
     description `context` and each program's key and arguments."""
 
-    def __init__(self, directory: str | Path, context: str, devices: Sequence[jax.Device]):
+    def __init__(
+        self, directory: str | Path, context: str, devices: Sequence[jax.Device], max_bytes: int = 4 << 30
+    ):
+        """max_bytes: the folder's cap; storing past it removes the entries used longest ago (each
+        change of code or versions leaves a whole set behind)."""
         self.directory = Path(directory)
+        self._max_bytes = max_bytes
         self._context = context
         self._devices = list(devices)
         self._environment = environment_digest()
@@ -116,9 +121,11 @@ class ProgramCache:
             payload, in_tree, out_tree = pickle.loads(path.read_bytes())
             if in_tree != jax.tree.structure((tuple(args), {})):
                 raise ValueError("its argument tree differs")
-            return serialize_executable.deserialize_and_load(
+            program = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=self._devices
             )
+            os.utime(path)  # used now: the last to go (_evict)
+            return program
         except Exception as e:  # a damaged or foreign entry: compile instead, and replace it
             log.warning("compiling %s: its cached program %s is unusable (%s)", key, path.name, e)
             return None
@@ -142,5 +149,22 @@ class ProgramCache:
             partial = path.with_suffix(f".{os.getpid()}.partial")
             partial.write_bytes(pickle.dumps((payload, in_tree, out_tree)))
             partial.replace(path)  # atomic: a concurrent reader sees the whole entry or none
+            self._evict()
         except Exception as e:
             log.warning("could not cache the program %s: %s", key, e)
+
+    def _evict(self) -> None:
+        """Removes the entries used longest ago until the folder holds at most max_bytes."""
+        entries = []
+        for path in self.directory.glob("*.program"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:  # another process evicted it
+                continue
+            entries.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in entries)
+        for _, size, path in sorted(entries):
+            if total <= self._max_bytes:
+                break
+            path.unlink(missing_ok=True)
+            total -= size

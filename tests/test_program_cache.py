@@ -93,3 +93,17 @@ def test_a_restarted_engine_loads_its_programs_and_decodes_the_same_tokens(tmp_p
     again = in_process(tmp_path, "again")
     assert again["compile"][:2] == [expected, 0] and "unusable" in again["log"]
     assert again["again"] == [expected, ready, ready]
+
+
+def test_a_full_folder_loses_the_entries_used_longest_ago(tmp_path):
+    import jax
+
+    from jaxinfer.program_cache import ProgramCache
+
+    for i, name in enumerate(["c", "a", "d", "b"]):  # used in this order: c longest ago
+        path = tmp_path / f"{name}.program"
+        path.write_bytes(b"x" * 1000)
+        os.utime(path, (1_000_000 + i, 1_000_000 + i))
+    (tmp_path / "other.file").write_bytes(b"y" * 5000)  # not an entry: left alone
+    ProgramCache(tmp_path, "context", jax.devices()[:1], max_bytes=2500)._evict()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.program", "d.program", "other.file"]

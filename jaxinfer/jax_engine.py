@@ -781,6 +781,8 @@ class JaxEngine(api.Engine):
         a decode step listing no row. It must run while no request holds a slot.
         """
         start = time.perf_counter()
+        if self._program_cache is not None:
+            self._program_cache.preload()
         if prompt_lengths is None:
             prefill = {
                 (t, pages)
@@ -833,6 +835,8 @@ class JaxEngine(api.Engine):
             )  # fmt: skip
             budget.check(done)
         jax.block_until_ready(self.state)
+        if self._program_cache is not None:
+            self._program_cache.drop_preloaded()
         self._warm = prompt_lengths is None
         return time.perf_counter() - start
 

@@ -22,6 +22,7 @@ the entry points that warm every bucket up: `serve` and `batch` (RuntimeOptions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -125,7 +126,8 @@ class ProgramCache:
         program = serialize_executable.deserialize_and_load(
             payload, in_tree, out_tree, execution_devices=self._devices
         )
-        os.utime(path)  # used now: the last to go (_evict)
+        with contextlib.suppress(OSError):  # another process may have just evicted it
+            os.utime(path)  # used now: the last to go (_evict)
         return in_tree, program
 
     def preload(self) -> None:

@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+
 from jaxinfer.config import KernelConfig, ModelConfig
 from jaxinfer.cpu_kernels import decode_attention_available
 from jaxinfer.generate import generate
 from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
+from jaxinfer.program_cache import ProgramCache
 from jaxinfer.request import SamplingParams
 from jaxinfer.testing import IdTokenizer, paged_cache_config
 
@@ -101,10 +104,6 @@ def test_a_restarted_engine_loads_its_programs_and_decodes_the_same_tokens(tmp_p
 
 
 def test_a_full_folder_loses_the_entries_used_longest_ago(tmp_path):
-    import jax
-
-    from jaxinfer.program_cache import ProgramCache
-
     for i, name in enumerate(["c", "a", "d", "b"]):  # used in this order: c longest ago
         path = tmp_path / f"{name}.program"
         path.write_bytes(b"x" * 1000)

@@ -3,6 +3,7 @@ restarted server meets them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,6 +19,8 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
 from jaxinfer.program_cache import ProgramCache
 from jaxinfer.request import SamplingParams
+from jaxinfer.runtime import RuntimeOptions, program_cache_dir
+from jaxinfer.sharding import make_mesh
 from jaxinfer.testing import IdTokenizer, paged_cache_config
 
 LLAMA = ModelConfig(
@@ -111,3 +114,11 @@ def test_a_full_folder_loses_the_entries_used_longest_ago(tmp_path):
     (tmp_path / "other.file").write_bytes(b"y" * 5000)  # not an entry: left alone
     ProgramCache(tmp_path, "context", jax.devices()[:1], max_bytes=2500)._evict()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.program", "d.program", "other.file"]
+
+
+def test_only_a_one_device_runtime_that_asks_keeps_programs(tmp_path):
+    asks = RuntimeOptions(program_cache=True, compilation_cache_dir=str(tmp_path))
+    assert program_cache_dir(asks, make_mesh()) == tmp_path / "programs"
+    assert program_cache_dir(dataclasses.replace(asks, program_cache=False), make_mesh()) is None
+    assert program_cache_dir(dataclasses.replace(asks, compilation_cache_dir=None), make_mesh()) is None
+    assert program_cache_dir(asks, make_mesh({"data": 2})) is None  # a mesh: JAX's cache instead

@@ -215,9 +215,9 @@ def auto_quantize_mixed_gguf() -> str:
     With VNNI, one instruction multiplies and adds 4 int8 pairs, and the 4- and 5-bit kernels do more per
     weight than the int8 one: kept as int4 / int5 / int8, Gemma 3 on a Zen 4 EPYC (both runtimes in one
     process, alternated) decodes one stream 3% faster, 16 streams 10% slower and prefills 512 tokens 19%
-    slower than as int8. AVX2's int8 product needs two vector
-    multiplies per 32 multiply-adds (vpmaddubsw, then vpmaddwd to widen), the 4-bit one about one (its
-    small products widen once per block of 32 inputs). On a Zen 1 EPYC, Gemma 3 kept as int4 against
+    slower than as int8. AVX2's int8 product needs two vector multiplies per 32 multiply-adds
+    (vpmaddubsw, then vpmaddwd to widen), the 4-bit one about one (its small products widen once per
+    block of 32 inputs). On a Zen 1 EPYC, Gemma 3 kept as int4 against
     int8, two alternations: prefill 512 273-285 vs 224-230 tok/s (1.71-1.79x llama.cpp vs 1.40x), 16
     streams 88.5-89.1 vs 87.5-88.7, one stream 61.7-62.2 vs 65.0-65.5 (64.0 once the int5 tile spread its
     fifth bits with one shuffle: at one row nothing shares those vector ops); 8% fewer weight bytes

@@ -1,7 +1,8 @@
 """Trains draft heads for speculative decoding on text the target model generates itself.
 
     .venv/bin/python scripts/train_draft_heads.py [--model smollm2-135m-instruct] [--prompts 666]
-        [--samples-per-prompt 4] [--max-tokens 256] [--steps 2400] [--corpus FILE] [--out DIR]
+        [--samples-per-prompt 4] [--max-tokens 256] [--steps 4800] [--soft-weight 1.0] [--corpus FILE]
+        [--out DIR]
 
 1. builds the runtime as `jaxinfer generate` would (--quantize auto: the weights the engine serves);
 2. answers the first --prompts of speculation_prompts.TRAINING_PROMPTS with the target itself, 48 at a
@@ -9,11 +10,13 @@
    heads keep learning from more of the model's own text; sampling varies it); with --corpus, the
    answers are written to FILE, or read from it when it exists (training again skips generating), and
    a FILE answering fewer prompts is extended with the answers to the rest;
-3. runs the engine's own params and kernels over every prompt + answer once for the hidden states and
-   the target's greedy choice at each position (the labels: what greedy verification accepts);
-4. fits the heads (speculation/training.py; prompts held out whole) and saves those of the best
-   held-out checkpoint with their metrics to --out (default $JAXINFER_CACHE_DIR/draft_heads/<model>,
-   ~/.cache/jaxinfer/draft_heads/<model> without it).
+3. runs the engine's own params and kernels over every prompt + answer once for the hidden states, the
+   target's greedy choice at each position (the labels: what greedy verification accepts) and, for
+   --soft-weight > 0, its top 16 choices with their probabilities;
+4. fits the heads (speculation/training.py; prompts held out whole), by default distilled on the
+   target's distribution over those choices (held out, they accept more drafts than heads fitted to the
+   greedy choices alone), and saves those of the best held-out checkpoint with their metrics to --out
+   (default $JAXINFER_CACHE_DIR/draft_heads/<model>, ~/.cache/jaxinfer/draft_heads/<model> without it).
 
 Prints each phase's wall time and the held-out metrics: top-1 accuracy per depth (teacher-forced) and
 the expected drafts accepted per step under greedy verification.
@@ -34,7 +37,7 @@ from jaxinfer.registry import DEFAULT_MODEL
 from jaxinfer.request import SamplingParams, with_eos
 from jaxinfer.runtime import RuntimeOptions, build_runtime, default_heads_dir
 from jaxinfer.speculation.draft_heads import save_heads
-from jaxinfer.speculation.training import hidden_states, train_heads
+from jaxinfer.speculation.training import TEACHER_TOP_K, hidden_states, train_heads
 
 
 def parse_args() -> argparse.Namespace:
@@ -57,9 +60,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled answers")
     p.add_argument("--depth", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=2400)
+    p.add_argument("--steps", type=int, default=4800)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--learning-rate", type=float, default=3e-3)
+    p.add_argument(
+        "--soft-weight", type=float, default=1.0,
+        help="weight of the loss against the target's top choices (distillation; the rest: its greedy one)",
+    )  # fmt: skip
     p.add_argument("--freeze-output", action="store_true", help="keep the target's output rows as they are")
     p.add_argument("--holdout-fraction", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
@@ -174,9 +181,11 @@ def main() -> None:
     sequences, first_output, groups = corpus["sequences"], corpus["first_output"], corpus["groups"]
 
     start = time.perf_counter()
-    hidden, greedy = hidden_states(
-        engine.params, config, sequences, engine.kernels, cache_dtype=engine.cache_config.dtype
-    )
+    hidden, choices, logprobs = hidden_states(
+        engine.params, config, sequences, engine.kernels, cache_dtype=engine.cache_config.dtype,
+        top_k=TEACHER_TOP_K if args.soft_weight > 0 else 1,
+    )  # fmt: skip
+    greedy = [c[:, 0] for c in choices]
     hidden_seconds = time.perf_counter() - start
     total = sum(len(s) for s in sequences)
     # How often an answer's next token is the target's greedy choice: its sampled answers leave that path.
@@ -192,7 +201,8 @@ def main() -> None:
         engine.params, config, sequences, first_output, depth=args.depth, draft_vocab=args.draft_vocab,
         steps=args.steps, batch_size=args.batch_size, learning_rate=args.learning_rate, seed=args.seed,
         holdout_fraction=args.holdout_fraction, groups=groups, train_output=not args.freeze_output,
-        hidden=hidden, labels=greedy, log=_log,
+        hidden=hidden, labels=greedy, teacher=list(zip(choices, logprobs)), soft_weight=args.soft_weight,
+        log=_log,
     )  # fmt: skip
     train_seconds = time.perf_counter() - start
     print(f"trained in {train_seconds:.1f}s: {metrics['examples']['train']} examples")

@@ -125,6 +125,44 @@ def test_training_learns_the_greedy_choices_of_sampled_text(params):
     assert hold["accepted_per_step"] < hold["accuracy"][0] + 0.8 * hold["accuracy"][1]
 
 
+def test_distillation_learns_the_targets_distribution(params):
+    """Each token is followed by f(x) with probability 0.7 and g(x) with 0.3. The greedy labels alone
+    teach the heads that f(x) always follows (probability near 1); distilled on the target's top
+    choices they learn 0.7, so a draft's probability estimates how often the target would agree."""
+    rng = np.random.default_rng(5)
+    alphabet = rng.permutation(TINY.vocab_size)[:24]
+    f = dict(zip(alphabet.tolist(), rng.permutation(alphabet).tolist()))
+    g = {a: f[b] for a, b in zip(alphabet.tolist(), rng.permutation(alphabet).tolist())}
+    g = {a: (b if b != f[a] else f[f[a]]) for a, b in g.items()}
+    sequences, labels, teacher = [], [], []
+    for _ in range(80):
+        x = [int(t) for t in rng.integers(0, TINY.vocab_size, size=4)] + [int(rng.choice(alphabet))]
+        for _ in range(30):
+            x.append(f[x[-1]] if rng.random() < 0.7 else g[x[-1]])
+        ids = np.asarray([[f.get(t, -1), g.get(t, -1)] for t in x], np.int32)
+        ids[:4] = -1  # the prompt's next tokens are not the pattern's
+        sequences.append(x)
+        labels.append(ids[:, 0].copy())
+        teacher.append((ids, np.log(np.broadcast_to([0.7, 0.3], ids.shape)).astype(np.float32)))
+    first = [4] * len(sequences)
+    hidden, _, _ = hidden_states(params, TINY, sequences)
+    common = dict(depth=1, draft_vocab=32, steps=250, batch_size=64, learning_rate=1e-2, seed=0,
+                  holdout_fraction=0.2, hidden=hidden, labels=labels, teacher=teacher)  # fmt: skip
+    probability = {}
+    for weight in (0.0, 1.0):
+        heads, metrics = train_heads(params, TINY, sequences, first, soft_weight=weight, **common)
+        assert metrics["holdout"]["accuracy"][0] > 0.9  # the greedy choice either way
+        ex = training_examples(
+            sequences[-16:], hidden[-16:], labels[-16:], first[-16:], 1, np.asarray(heads.vocab)
+        )
+        logits = unroll_logits(
+            heads, jnp.asarray(ex.hidden), token_features(params, TINY, jnp.asarray(ex.inputs))
+        )
+        probability[weight] = float(np.mean(np.asarray(jax.nn.softmax(logits, axis=-1)).max(axis=-1)))
+    assert probability[0.0] > 0.9, probability
+    assert 0.6 < probability[1.0] < 0.8, probability
+
+
 def test_split_holds_out_whole_groups():
     """Several answers to one prompt are one group: all of them train or all are held out."""
     groups = np.repeat(np.arange(20), 3)  # 20 prompts, 3 answers each
@@ -158,6 +196,14 @@ def test_training_examples_windows_and_mask():
     assert ex.targets.tolist() == [[2, -1], [-1, 1]]  # g[3] = 16, g[4] = 15, g[5] = 13
     # Depth 1's input x[t+2] against the greedy choice g[t+1]: 14 != 16 (t = 2), 15 == 15 (t = 3).
     assert ex.on_path.tolist() == [[True, False], [True, True]]
+    # The target's top two choices after each position, as soft targets of the same drafts.
+    ids = np.stack([greedy, np.roll(greedy, 1)], axis=1)
+    logprobs = np.log(np.broadcast_to([0.6, 0.25], ids.shape))
+    ex = training_examples([seq], hidden, [greedy], [3], depth=2, vocab=vocab, teacher=[(ids, logprobs)])
+    # Positions 3, 4 (t = 2) and 4, 5 (t = 3): ids[3] = (16, 0), ids[4] = (15, 16), ids[5] = (13, 15).
+    assert ex.soft_targets.tolist() == [[[2, -1], [-1, 2]], [[-1, 2], [1, -1]]]
+    np.testing.assert_allclose(ex.soft_probs, np.broadcast_to([0.6, 0.25], (2, 2, 2)), rtol=1e-6)
+    assert training_examples([seq], hidden, [greedy], [3], depth=2, vocab=vocab).soft_targets is None
 
 
 def test_propose_agrees_with_unroll_logits(params):
@@ -259,14 +305,16 @@ def test_hidden_states_batched_equal_single(params, cache_dtype):
     rng = np.random.default_rng(7)
     lengths = [5, 64, 65, 17, 1, 150, 70]  # three length buckets, partly filled batches
     sequences = [list(rng.integers(0, TINY.vocab_size, n)) for n in lengths]
-    got, greedy = hidden_states(params, TINY, sequences, cache_dtype=cache_dtype, tokens_per_batch=256)
+    got, choices, logprobs = hidden_states(
+        params, TINY, sequences, cache_dtype=cache_dtype, tokens_per_batch=256, top_k=5
+    )
     assert [g.shape for g in got] == [(n, TINY.hidden_size) for n in lengths]
-    assert [g.shape for g in greedy] == [(n,) for n in lengths]
+    assert [c.shape for c in choices] == [(n, 5) for n in lengths] == [lp.shape for lp in logprobs]
     # The reference: each sequence alone in a row of its own, followed by a tail of zero tokens at real
     # positions (causal attention: nothing after a position changes it), one compiled shape.
-    width = 160
+    width, undecided = 160, 0
     cache = init_cache(TINY, paged_cache_config(1, width, page_size=16, dtype=cache_dtype), make_mesh())
-    for seq, g, choice in zip(sequences, got, greedy):
+    for seq, g, top, lp in zip(sequences, got, choices, logprobs):
         tokens = jnp.zeros((1, width), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq, jnp.int32))
         x, cache = _forward_hidden(
             params, TINY, tokens, jnp.arange(width, dtype=jnp.int32)[None], cache,
@@ -277,12 +325,16 @@ def test_hidden_states_batched_equal_single(params, cache_dtype):
         tol = 1e-5 if cache_dtype == "float32" else 1e-3
         np.testing.assert_allclose(g, np.asarray(x[0, : len(seq)], np.float32), atol=tol, rtol=tol)
         logits = np.asarray(output_logits(params, TINY, x[0, : len(seq)]))
-        assert choice.dtype == np.int32
-        # The greedy token at each position, up to near ties of the two runs' last bits.
-        top2 = np.sort(logits, axis=-1)[:, -2:]
-        decided = top2[:, 1] - top2[:, 0] > 1e-3
-        assert decided.mean() > 0.9
-        np.testing.assert_array_equal(choice[decided], logits.argmax(-1)[decided])
+        assert top.dtype == np.int32 and lp.dtype == np.float32
+        # The top 5 tokens at each position, best first, up to near ties of the two runs' last bits.
+        ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :6]
+        gaps = -np.diff(np.take_along_axis(logits, ranked, axis=-1), axis=-1)  # [len, 5]
+        decided = gaps.min(axis=-1) > 1e-3
+        undecided += int(np.sum(~decided))
+        np.testing.assert_array_equal(top[decided], ranked[decided, :5])
+        reference = logits - np.log(np.sum(np.exp(logits), axis=-1, keepdims=True))
+        np.testing.assert_allclose(lp, np.take_along_axis(reference, top, axis=-1), atol=tol, rtol=tol)
+    assert undecided < 0.3 * sum(lengths)
 
 
 def test_output_rows_float_and_int8():

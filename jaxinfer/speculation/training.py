@@ -4,10 +4,13 @@ Why self-generated text: the heads must guess what *this* model will say next, s
 model's own output (Medusa-2 and EAGLE train on self-distilled text the same way). The labels are the
 target's own greedy choices, not the text's next tokens: where an answer was sampled, its next token is
 often not the one greedy verification would accept, and a head trained on it learns the sampler's noise.
-Sampled answers still serve: they put the target in contexts greedy decoding would not reach.
+Sampled answers still serve: they put the target in contexts greedy decoding would not reach. Beside
+the greedy choice, the target's probabilities of its top choices can be the targets (distillation, as
+Medusa-2 and DistillSpec train): they tell a head how close the runners-up were, a richer signal per
+example than one label, and held out the distilled heads accept more drafts.
 
 The pipeline: `hidden_states` runs the target once over every whole sequence (prompt + response) for
-its hidden states and greedy next tokens, `training_examples` cuts each response into (h_t,
+its hidden states and top next tokens, `training_examples` cuts each response into (h_t,
 x[t+1..t+depth], g[t+1..t+depth]) examples (g[p]: the target's greedy token after position p),
 `train_heads` fits the heads with optax AdamW on the masked cross-entropy of `unroll_logits` and reports
 held-out accuracy per depth and the expected accepted drafts per step: the teacher-forced chain, cut
@@ -42,6 +45,7 @@ PAGE_SIZE = 64  # positions per page of the throwaway cache (the CPU engine's de
 TOKENS_PER_BATCH = 4096  # rows x padded length of one forward pass: big products, bounded attention memory
 LOGITS_CHUNK = 512  # positions whose full-vocabulary logits exist at once (Gemma 3: 512 MB in float32)
 EVAL_BATCH = 1024
+TEACHER_TOP_K = 16  # the target's choices a distilled head learns per position (~0.9 of its mass)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -60,16 +64,25 @@ def length_bucket(n: int) -> int:
     return size
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels"), donate_argnames=("cache",))
-def _forward_hidden(params, config, tokens, positions, cache, page_table, kernels):
-    """(hidden [b, t, hidden], the greedy next token [b, t] int32, cache): the logits of LOGITS_CHUNK
-    positions at a time, so the full-vocabulary logits of a batch never exist at once."""
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "top_k"), donate_argnames=("cache",))
+def _forward_hidden(params, config, tokens, positions, cache, page_table, kernels, top_k):
+    """(hidden [b, t, hidden], the target's top_k next tokens [b, t, top_k] int32 best first, their
+    log-probabilities [b, t, top_k] float32, cache): the logits of LOGITS_CHUNK positions at a time, so
+    the full-vocabulary logits of a batch never exist at once."""
     x, cache = forward_hidden(params, config, tokens, positions, cache, page_table, kernels=kernels)
     flat = x.reshape(-1, x.shape[-1])
     pad = -flat.shape[0] % LOGITS_CHUNK
     chunks = jnp.pad(flat, ((0, pad), (0, 0))).reshape(-1, LOGITS_CHUNK, flat.shape[-1])
-    greedy = jax.lax.map(lambda c: jnp.argmax(output_logits(params, config, c, kernels), axis=-1), chunks)
-    return x, greedy.reshape(-1)[: flat.shape[0]].reshape(x.shape[:-1]).astype(jnp.int32), cache
+
+    def top(chunk):
+        logits = output_logits(params, config, chunk, kernels).astype(jnp.float32)
+        values, ids = jax.lax.top_k(logits, top_k)  # ties: the lower id first, as argmax
+        return ids.astype(jnp.int32), values - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+
+    ids, logprobs = jax.lax.map(top, chunks)
+    shape = (*x.shape[:-1], top_k)
+    ids, logprobs = (a.reshape(-1, top_k)[: flat.shape[0]].reshape(shape) for a in (ids, logprobs))
+    return x, ids, logprobs, cache
 
 
 def hidden_states(
@@ -80,9 +93,11 @@ def hidden_states(
     *,
     cache_dtype: str = "float32",
     tokens_per_batch: int = TOKENS_PER_BATCH,
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """(hidden, greedy): each sequence's final-normed hidden states [len, hidden] float32 and the
-    target's greedy next token after each position [len] int32 (the argmax of its logits there), from
+    top_k: int = 1,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """(hidden, choices, logprobs): each sequence's final-normed hidden states [len, hidden] float32,
+    the target's top_k next tokens after each position [len, top_k] int32, best first (choices[:, 0]:
+    its greedy choice, the argmax of its logits), and their log-probabilities [len, top_k] float32, from
     one causal pass over the whole sequence (forward_hidden with `kernels` and a `cache_dtype` KV cache:
     pass the engine's own so the heads see the states, and learn the choices, the engine will have).
 
@@ -91,12 +106,14 @@ def hidden_states(
     few compiled programs; the throwaway cache of each bucket is donated from batch to batch.
     """
     out: list[np.ndarray | None] = [None] * len(sequences)
-    greedy: list[np.ndarray | None] = [None] * len(sequences)
+    choices: list[np.ndarray | None] = [None] * len(sequences)
+    logprobs: list[np.ndarray | None] = [None] * len(sequences)
     by_bucket: dict[int, list[int]] = {}
     for index, seq in enumerate(sequences):
         if len(seq) == 0:
             out[index] = np.zeros((0, config.hidden_size), np.float32)
-            greedy[index] = np.zeros((0,), np.int32)
+            choices[index] = np.zeros((0, top_k), np.int32)
+            logprobs[index] = np.zeros((0, top_k), np.float32)
         else:
             by_bucket.setdefault(length_bucket(len(seq)), []).append(index)
     mesh = make_mesh()
@@ -116,14 +133,14 @@ def hidden_states(
                 n = len(sequences[index])
                 tokens[r, :n] = sequences[index]
                 positions[r, :n] = np.arange(n)
-            x, g, cache = _forward_hidden(
-                params, config, jnp.asarray(tokens), jnp.asarray(positions), cache, page_table, kernels
+            x, ids, lp, cache = _forward_hidden(
+                params, config, jnp.asarray(tokens), jnp.asarray(positions), cache, page_table, kernels, top_k
             )
-            x, g = np.asarray(x.astype(jnp.float32)), np.asarray(g)
+            x, ids, lp = np.asarray(x.astype(jnp.float32)), np.asarray(ids), np.asarray(lp)
             for r, index in enumerate(batch):
-                out[index] = x[r, : len(sequences[index])]
-                greedy[index] = g[r, : len(sequences[index])]
-    return out, greedy  # type: ignore[return-value]
+                n = len(sequences[index])
+                out[index], choices[index], logprobs[index] = x[r, :n], ids[r, :n], lp[r, :n]
+    return out, choices, logprobs  # type: ignore[return-value]
 
 
 def output_rows(params: Params, config: ModelConfig, ids: np.ndarray | jax.Array) -> jax.Array:
@@ -172,6 +189,9 @@ class Examples:
     inputs: np.ndarray  # [n, depth] int32 token ids x[t+1 .. t+depth]
     targets: np.ndarray  # [n, depth] int32 draft-vocabulary indices of the labels g[t+1 .. t+depth], or -1
     on_path: np.ndarray  # [n, depth] bool: x[t+1+i] == g[t+i] for i >= 1
+    # The target's top choices where the labels come from (training_examples' `teacher`), else None:
+    soft_targets: np.ndarray | None = None  # [n, depth, k] int32 draft-vocabulary indices, or -1
+    soft_probs: np.ndarray | None = None  # [n, depth, k] float32: the target's probability of each
 
     def __len__(self) -> int:
         return len(self.hidden)
@@ -184,13 +204,17 @@ def training_examples(
     first_output_index: Sequence[int],
     depth: int,
     vocab: np.ndarray,
+    teacher: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
 ) -> Examples:
     """One example per position t of each sequence from first_output_index - 1 on (the states whose
     next token the model generated) whose next depth + 1 tokens exist. labels[i][p]: the token a draft
-    for the position after p should be, the target's greedy choice there (hidden_states), -1 for none."""
-    parts_h, parts_in, parts_out, parts_path = [], [], [], []
+    for the position after p should be, the target's greedy choice there (hidden_states), -1 for none.
+    teacher[i]: (ids [len, k], log-probabilities [len, k]) of the target's top k choices after each
+    position (hidden_states' `top_k`), the soft targets of the same drafts."""
+    parts_h, parts_in, parts_out, parts_path, parts_soft, parts_probs = [], [], [], [], [], []
     offsets = np.arange(depth)
-    for seq, h, g, first in zip(sequences, hidden, labels, first_output_index):
+    teachers = teacher if teacher is not None else [None] * len(sequences)
+    for seq, h, g, first, top in zip(sequences, hidden, labels, first_output_index, teachers):
         x, g = np.asarray(seq, np.int32), np.asarray(g, np.int32)
         start, stop = max(first - 1, 0), len(x) - depth - 1  # t in [start, stop)
         if stop <= start:
@@ -200,11 +224,16 @@ def training_examples(
         parts_in.append(x[t + 1])
         parts_out.append(draft_index(g[t + 1], vocab))
         parts_path.append((x[t + 1] == g[t]) | (offsets == 0))
+        if top is not None:
+            ids, logprobs = top
+            parts_soft.append(draft_index(np.asarray(ids)[t + 1], vocab))
+            parts_probs.append(np.exp(np.asarray(logprobs, np.float32)[t + 1]))
     if not parts_h:
         width = hidden[0].shape[-1] if len(hidden) else 0
         empty = np.zeros((0, depth), np.int32)
         return Examples(np.zeros((0, width), np.float32), empty, empty.copy(), np.zeros((0, depth), bool))
-    return Examples(*(np.concatenate(p) for p in (parts_h, parts_in, parts_out, parts_path)))
+    soft = (np.concatenate(parts_soft), np.concatenate(parts_probs)) if teacher is not None else (None, None)
+    return Examples(*(np.concatenate(p) for p in (parts_h, parts_in, parts_out, parts_path)), *soft)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -223,20 +252,37 @@ def _logits(trained, fixed, hidden, table, inputs):
     return unroll_logits(_heads(trained, fixed), hidden, jnp.take(table, inputs, axis=0))
 
 
-def _loss(trained, fixed, hidden, table, inputs, targets):
-    """Mean cross-entropy over the targets inside the draft vocabulary."""
+def _loss(trained, fixed, hidden, table, inputs, targets, soft, soft_weight):
+    """Mean cross-entropy over the targets inside the draft vocabulary; with soft = (soft_targets,
+    soft_probs), mixed at `soft_weight` with the cross-entropy against the target's top choices inside
+    the draft vocabulary (their probabilities renormalised: distillation)."""
     logits = _logits(trained, fixed, hidden, table, inputs)
+    log_q = jax.nn.log_softmax(logits, axis=-1)
     valid = targets >= 0
-    picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
-    nll = jax.nn.logsumexp(logits, axis=-1) - picked
-    return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    nll = -jnp.take_along_axis(log_q, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
+    hard = jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    if soft is None:
+        return hard
+    soft_targets, soft_probs = soft
+    p = jnp.where(soft_targets >= 0, soft_probs, 0.0)
+    mass = jnp.sum(p, axis=-1)
+    picked = jnp.take_along_axis(log_q, jnp.maximum(soft_targets, 0), axis=-1)
+    cross = -jnp.sum(p * picked, axis=-1) / jnp.maximum(mass, 1e-9)
+    covered = mass > 0
+    distilled = jnp.sum(jnp.where(covered, cross, 0.0)) / jnp.maximum(jnp.sum(covered), 1)
+    return (1.0 - soft_weight) * hard + soft_weight * distilled
 
 
-@functools.partial(jax.jit, static_argnames=("optimizer",), donate_argnames=("trained", "opt_state"))
-def _train_step(optimizer, trained, opt_state, fixed, hidden, table, inputs, targets, batch):
+@functools.partial(
+    jax.jit, static_argnames=("optimizer", "soft_weight"), donate_argnames=("trained", "opt_state")
+)
+def _train_step(
+    optimizer, trained, opt_state, fixed, hidden, table, inputs, targets, soft, batch, soft_weight
+):
     """One AdamW step on the examples `batch` [batch_size] of the device-resident training set."""
+    soft = None if soft is None else (soft[0][batch], soft[1][batch])
     loss, grads = jax.value_and_grad(_loss)(
-        trained, fixed, hidden[batch], table, inputs[batch], targets[batch]
+        trained, fixed, hidden[batch], table, inputs[batch], targets[batch], soft, soft_weight
     )
     updates, opt_state = optimizer.update(grads, opt_state, trained)
     return optax.apply_updates(trained, updates), opt_state, loss
@@ -351,6 +397,8 @@ def train_heads(
     groups: Sequence[int] | None = None,
     hidden: Sequence[np.ndarray] | None = None,
     labels: Sequence[np.ndarray] | None = None,
+    teacher: Sequence[tuple[np.ndarray, np.ndarray]] | None = None,
+    soft_weight: float = 0.0,
     kernels: KernelConfig = XLA_KERNELS,
     cache_dtype: str = "float32",
     log: Callable[[str], None] | None = None,
@@ -358,12 +406,14 @@ def train_heads(
     """Fits draft heads of `depth` over a `draft_vocab`-token draft vocabulary to `sequences` (prompt +
     the target's own response, the response starting at first_output_index[i]).
 
-    hidden, labels: the sequences' hidden states and greedy next tokens when already computed
-    (hidden_states), else computed here with `kernels` and `cache_dtype`; the heads learn the labels
-    (-1: none). train_output=False keeps the output rows at the target's own (fewer parameters to fit; on
-    SmolLM2 it generalised no better). The draft vocabulary and the training
-    examples come from the training split; `holdout_fraction` of the sequences (of the `groups`, when
-    given: sequence i belongs to group groups[i], e.g. several answers to one prompt) measure the result.
+    hidden, labels, teacher: the sequences' hidden states, greedy next tokens and top choices with
+    their log-probabilities when already computed (hidden_states), else computed here with `kernels`
+    and `cache_dtype`; the heads learn the labels (-1: none), and with soft_weight > 0 the target's
+    distribution over its top choices (distillation: a mixture of both losses). train_output=False
+    keeps the output rows at the target's own (fewer parameters to fit; on SmolLM2 it generalised no
+    better). The draft vocabulary and the training examples come from the training split;
+    `holdout_fraction` of the sequences (of the `groups`, when given: sequence i belongs to group
+    groups[i], e.g. several answers to one prompt) measure the result.
     The heads returned are those of the checkpoint (every tenth of the steps) that accepted the most
     held-out drafts per step: with a few hundred answers the heads soon learn the training text by heart.
     Returns the heads and metrics: "holdout" (evaluate's dict), "train" (the same on up to 4096 training
@@ -372,10 +422,14 @@ def train_heads(
     """
     if len(sequences) != len(first_output_index):
         raise ValueError(f"{len(sequences)=} but {len(first_output_index)=}")
-    if hidden is None or labels is None:
-        computed = hidden_states(params, config, sequences, kernels, cache_dtype=cache_dtype)
-        hidden = computed[0] if hidden is None else hidden
-        labels = computed[1] if labels is None else labels
+    soft = soft_weight > 0
+    if hidden is None or labels is None or (soft and teacher is None):
+        computed, choices, logprobs = hidden_states(
+            params, config, sequences, kernels, cache_dtype=cache_dtype, top_k=TEACHER_TOP_K if soft else 1
+        )
+        hidden = computed if hidden is None else hidden
+        labels = [c[:, 0] for c in choices] if labels is None else labels
+        teacher = list(zip(choices, logprobs)) if soft and teacher is None else teacher
     train_ids, hold_ids = split_sequences(len(sequences), holdout_fraction, seed, groups)
 
     def pick(ids: np.ndarray) -> tuple[list, list, list, list]:
@@ -385,7 +439,7 @@ def train_heads(
     # The draft vocabulary: the target's most frequent greedy choices in the answers.
     answers = [g[first - 1 :] for g, first in zip(train_split[2], train_split[3])]
     vocab = draft_vocabulary(answers, config.vocab_size, draft_vocab)
-    train = training_examples(*train_split, depth, vocab)
+    train = training_examples(*train_split, depth, vocab, [teacher[i] for i in train_ids] if soft else None)
     holdout = training_examples(*pick(hold_ids), depth, vocab)
     if len(train) == 0:
         raise ValueError(f"no training examples: every response is shorter than {depth + 2} tokens")
@@ -418,6 +472,7 @@ def train_heads(
     hidden_dev = jnp.asarray(train.hidden)
     inputs_dev = jnp.asarray(feature_index(train.inputs))
     targets_dev = jnp.asarray(train.targets)
+    soft_dev = (jnp.asarray(train.soft_targets), jnp.asarray(train.soft_probs)) if soft else None
     rng = np.random.default_rng(seed + 1)
     batch_size = min(batch_size, len(train))
     order, cursor, losses = rng.permutation(len(train)), 0, []
@@ -431,7 +486,17 @@ def train_heads(
         batch = jnp.asarray(order[cursor : cursor + batch_size], jnp.int32)
         cursor += batch_size
         trained, opt_state, loss = _train_step(
-            optimizer, trained, opt_state, fixed, hidden_dev, table, inputs_dev, targets_dev, batch
+            optimizer,
+            trained,
+            opt_state,
+            fixed,
+            hidden_dev,
+            table,
+            inputs_dev,
+            targets_dev,
+            soft_dev,
+            batch,
+            soft_weight if soft else 0.0,
         )
         losses.append(loss)
         if (step + 1) % interval == 0 or step + 1 == steps:
@@ -459,6 +524,7 @@ def train_heads(
         "steps": steps,
         "batch_size": batch_size,
         "learning_rate": learning_rate,
+        "soft_weight": soft_weight,
         "best_step": best_step,
         "loss_start": float(losses_np[0]) if len(losses_np) else None,  # before the first update
         "loss_end": float(losses_np[-50:].mean()) if len(losses_np) else None,

@@ -128,7 +128,7 @@ def test_training_learns_the_greedy_choices_of_sampled_text(params):
 def test_distillation_learns_the_targets_distribution(params):
     """Each token is followed by f(x) with probability 0.7 and g(x) with 0.3. The greedy labels alone
     teach the heads that f(x) always follows (probability near 1); distilled on the target's top
-    choices they learn 0.7, so a draft's probability estimates how often the target would agree."""
+    choices they learn 0.7: a draft's probability under its head estimates the target's own."""
     rng = np.random.default_rng(5)
     alphabet = rng.permutation(TINY.vocab_size)[:24]
     f = dict(zip(alphabet.tolist(), rng.permutation(alphabet).tolist()))

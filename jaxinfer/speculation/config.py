@@ -31,7 +31,8 @@ class SpeculationConfig:
         and were sure of nothing counts as a step that accepted none: the heads cost the step their
         time. Each drafter pauses apart (speculation.gate). A server's default is
         default_min_accepted(), measured on its backend.
-    ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first.
+    ngram_max, ngram_min: the n-gram sizes prompt lookup matches, longest first; a match of n tokens
+        drafts at most n + 1 of the num_draft_tokens (NgramIndex.propose).
     draft_min_probability: draft heads draft while their guess is at least this likely under them
         (draft_heads.propose), one threshold per depth (the last for every deeper draft): on CPU a
         verified position costs more the more positions a step verifies (a first draft ~8% of a step,

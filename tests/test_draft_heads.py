@@ -326,6 +326,11 @@ def test_hidden_states_batched_equal_single(params, cache_dtype):
         np.testing.assert_allclose(g, np.asarray(x[0, : len(seq)], np.float32), atol=tol, rtol=tol)
         logits = np.asarray(output_logits(params, TINY, x[0, : len(seq)]))
         assert top.dtype == np.int32 and lp.dtype == np.float32
+        # The greedy token (column 0) at each position, up to near ties of the two runs' last bits.
+        top2 = np.sort(logits, axis=-1)[:, -2:]
+        greedy_decided = top2[:, 1] - top2[:, 0] > 1e-3
+        assert greedy_decided.mean() > 0.9
+        np.testing.assert_array_equal(top[greedy_decided, 0], logits.argmax(-1)[greedy_decided])
         # The top 5 tokens at each position, best first, up to near ties of the two runs' last bits.
         ranked = np.argsort(-logits, axis=-1, kind="stable")[:, :6]
         gaps = -np.diff(np.take_along_axis(logits, ranked, axis=-1), axis=-1)  # [len, 5]

@@ -37,7 +37,7 @@ from jaxinfer.registry import DEFAULT_MODEL
 from jaxinfer.request import SamplingParams, with_eos
 from jaxinfer.runtime import RuntimeOptions, build_runtime, default_heads_dir
 from jaxinfer.speculation.draft_heads import save_heads
-from jaxinfer.speculation.training import TEACHER_TOP_K, hidden_states, train_heads
+from jaxinfer.speculation.training import hidden_states, teacher_top_k, train_heads
 
 
 def parse_args() -> argparse.Namespace:
@@ -75,7 +75,10 @@ def parse_args() -> argparse.Namespace:
         help="JSON file of the generated answers: read if it exists (extended to --prompts), else written",
     )  # fmt: skip
     p.add_argument("--out", type=Path, help="default: $JAXINFER_CACHE_DIR/draft_heads/<model>")
-    return p.parse_args()
+    args = p.parse_args()
+    if not 0.0 <= args.soft_weight <= 1.0:  # before the long generation, not after it
+        p.error(f"--soft-weight must lie in [0, 1], got {args.soft_weight}")
+    return args
 
 
 def _log(line: str) -> None:
@@ -183,7 +186,7 @@ def main() -> None:
     start = time.perf_counter()
     hidden, choices, logprobs = hidden_states(
         engine.params, config, sequences, engine.kernels, cache_dtype=engine.cache_config.dtype,
-        top_k=TEACHER_TOP_K if args.soft_weight > 0 else 1,
+        top_k=teacher_top_k(args.soft_weight),
     )  # fmt: skip
     greedy = [c[:, 0] for c in choices]
     hidden_seconds = time.perf_counter() - start

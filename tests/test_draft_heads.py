@@ -27,10 +27,13 @@ from jaxinfer.speculation.draft_heads import (
     unroll_logits,
 )
 from jaxinfer.speculation.training import (
+    TEACHER_TOP_K,
+    draft_indexer,
     draft_vocabulary,
     hidden_states,
     output_rows,
     split_sequences,
+    teacher_top_k,
     train_heads,
     training_examples,
 )
@@ -161,6 +164,20 @@ def test_distillation_learns_the_targets_distribution(params):
         probability[weight] = float(np.mean(np.asarray(jax.nn.softmax(logits, axis=-1)).max(axis=-1)))
     assert probability[0.0] > 0.9, probability
     assert 0.6 < probability[1.0] < 0.8, probability
+
+
+def test_draft_indexer_finds_each_token_or_minus_one():
+    vocab = np.asarray([40, 7, 93, 12, 0], np.int32)
+    tokens = np.asarray([[93, 5, 0], [12, 41, 7]], np.int32)
+    want = [[list(vocab).index(t) if t in vocab else -1 for t in row] for row in tokens.tolist()]
+    assert draft_indexer(vocab)(tokens).tolist() == want
+
+
+def test_soft_weight_outside_zero_to_one_is_refused(params):
+    assert teacher_top_k(0.0) == 1 and teacher_top_k(0.5) == teacher_top_k(1.0) == TEACHER_TOP_K
+    for weight in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="soft_weight"):
+            train_heads(params, TINY, [[1, 2, 3, 4]], [2], soft_weight=weight)
 
 
 def test_split_holds_out_whole_groups():

@@ -48,6 +48,14 @@ EVAL_BATCH = 1024
 TEACHER_TOP_K = 16  # the target's choices a distilled head learns per position (~0.9 of its mass)
 
 
+def teacher_top_k(soft_weight: float) -> int:
+    """How many of the target's top choices per position training at `soft_weight` (the share of the
+    distilled loss, in [0, 1]) needs: TEACHER_TOP_K to distil, the greedy one alone without."""
+    if not 0.0 <= soft_weight <= 1.0:
+        raise ValueError(f"soft_weight must lie in [0, 1], got {soft_weight}")
+    return TEACHER_TOP_K if soft_weight > 0 else 1
+
+
 # --------------------------------------------------------------------------------------------------
 # The target's hidden states and output rows
 # --------------------------------------------------------------------------------------------------
@@ -170,12 +178,22 @@ def draft_vocabulary(sequences: Sequence[Sequence[int]], vocab_size: int, size: 
     return order[:size].astype(np.int32)
 
 
-def draft_index(tokens: np.ndarray, vocab: np.ndarray) -> np.ndarray:
-    """Each token's index in the draft vocabulary `vocab`, -1 where it is not in it."""
+def draft_indexer(vocab: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """A function from tokens to their indices in the draft vocabulary `vocab`, -1 where a token is not
+    in it (the vocabulary sorted once for every call)."""
     order = np.argsort(vocab, kind="stable")
     sorted_vocab = vocab[order]
-    pos = np.clip(np.searchsorted(sorted_vocab, tokens), 0, len(vocab) - 1)
-    return np.where(sorted_vocab[pos] == tokens, order[pos], -1).astype(np.int32)
+
+    def index(tokens: np.ndarray) -> np.ndarray:
+        pos = np.clip(np.searchsorted(sorted_vocab, tokens), 0, len(vocab) - 1)
+        return np.where(sorted_vocab[pos] == tokens, order[pos], -1).astype(np.int32)
+
+    return index
+
+
+def draft_index(tokens: np.ndarray, vocab: np.ndarray) -> np.ndarray:
+    """Each token's index in the draft vocabulary `vocab`, -1 where it is not in it."""
+    return draft_indexer(vocab)(tokens)
 
 
 @dataclasses.dataclass
@@ -213,6 +231,7 @@ def training_examples(
     position (hidden_states' `top_k`), the soft targets of the same drafts."""
     parts_h, parts_in, parts_out, parts_path, parts_soft, parts_probs = [], [], [], [], [], []
     offsets = np.arange(depth)
+    index = draft_indexer(vocab)
     teachers = teacher if teacher is not None else [None] * len(sequences)
     for seq, h, g, first, top in zip(sequences, hidden, labels, first_output_index, teachers):
         x, g = np.asarray(seq, np.int32), np.asarray(g, np.int32)
@@ -222,11 +241,11 @@ def training_examples(
         t = np.arange(start, stop)[:, None] + offsets  # [n, depth]
         parts_h.append(np.asarray(h[start:stop], np.float32))
         parts_in.append(x[t + 1])
-        parts_out.append(draft_index(g[t + 1], vocab))
+        parts_out.append(index(g[t + 1]))
         parts_path.append((x[t + 1] == g[t]) | (offsets == 0))
         if top is not None:
             ids, logprobs = top
-            parts_soft.append(draft_index(np.asarray(ids)[t + 1], vocab))
+            parts_soft.append(index(np.asarray(ids)[t + 1]))
             parts_probs.append(np.exp(np.asarray(logprobs, np.float32)[t + 1]))
     if not parts_h:
         width = hidden[0].shape[-1] if len(hidden) else 0
@@ -422,10 +441,11 @@ def train_heads(
     """
     if len(sequences) != len(first_output_index):
         raise ValueError(f"{len(sequences)=} but {len(first_output_index)=}")
+    top_k = teacher_top_k(soft_weight)
     soft = soft_weight > 0
     if hidden is None or labels is None or (soft and teacher is None):
         computed, choices, logprobs = hidden_states(
-            params, config, sequences, kernels, cache_dtype=cache_dtype, top_k=TEACHER_TOP_K if soft else 1
+            params, config, sequences, kernels, cache_dtype=cache_dtype, top_k=top_k
         )
         hidden = computed if hidden is None else hidden
         labels = [c[:, 0] for c in choices] if labels is None else labels

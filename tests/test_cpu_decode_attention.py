@@ -30,14 +30,21 @@ from jaxinfer.cpu_kernels.native_build import (
 needs_kernel = pytest.mark.skipif(
     not decode_attention_available(), reason="needs an x86-64 CPU with AVX2 and g++"
 )
-# Every variant this CPU runs (AVX-512 and AVX2 on an AVX-512 machine), each tested in this process.
-CPU_ISAS = [isa.name for isa in ISAS if cpu_supports(isa)]
 _decode_attention = importlib.import_module("jaxinfer.cpu_kernels.decode_attention")
 _int8_matmul = importlib.import_module("jaxinfer.cpu_kernels.int8_matmul_vnni")
+# Every variant of the attention kernel this CPU runs (AVX-512 and AVX2 on an AVX-512 machine), each
+# tested in this process.
+CPU_ISAS = [isa.name for isa in _decode_attention.KERNEL.isas if cpu_supports(isa)]
+KERNEL_VARIANTS = [
+    (module, isa.name)
+    for module in ["decode_attention", "int8_matmul_vnni", "int4_matmul", "grouped_matmul"]
+    for isa in importlib.import_module(f"jaxinfer.cpu_kernels.{module}").KERNEL.isas
+    if cpu_supports(isa)
+]
 
 
-@pytest.mark.parametrize("isa", CPU_ISAS)  # none (an empty set, skipped) only on a CPU with neither ISA
-@pytest.mark.parametrize("module", ["decode_attention", "int8_matmul_vnni", "int4_matmul"])
+# None (an empty set, skipped) only on a CPU with neither AVX2 nor AVX-512.
+@pytest.mark.parametrize(("module", "isa"), KERNEL_VARIANTS)
 def test_kernels_build_wherever_the_cpu_allows(module, isa):
     # Guards the skips of the native-kernel tests: a kernel variant that stops compiling must fail here,
     # not turn its tests into skips.
@@ -50,7 +57,7 @@ def test_kernels_build_wherever_the_cpu_allows(module, isa):
     assert kernel.available(isa) and kernel.chosen_isa() == best_isa(kernel.isas) and kernel.available()
 
 
-@pytest.mark.parametrize("isa", CPU_ISAS)
+@pytest.mark.parametrize("isa", [isa.name for isa in ISAS if cpu_supports(isa)])
 def test_the_benchmarks_cpu_line_names_the_kernel_variant_and_the_xla_cap(isa, monkeypatch):
     monkeypatch.setenv("JAXINFER_CPU_ISA", isa)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX2")

@@ -14,11 +14,12 @@ import pytest
 
 from jaxinfer.config import KernelConfig
 from jaxinfer.cpu_kernels.grouped_matmul import (
+    KERNEL,
     grouped_matmul_available,
     grouped_matmul_cpu,
     grouped_matmul_cpu_reference,
 )
-from jaxinfer.cpu_kernels.native_build import ISAS, cpu_supports
+from jaxinfer.cpu_kernels.native_build import cpu_supports
 from jaxinfer.models.moe import (
     grouped_matmul,
     grouped_matmul_reference,
@@ -30,7 +31,7 @@ from jaxinfer.weight_formats import Int8Weight
 
 # Every variant this CPU runs (AVX-512 and AVX2 on an AVX-512 machine) that builds here, each tested in this
 # process.
-CPU_ISAS = [isa.name for isa in ISAS if cpu_supports(isa) and grouped_matmul_available(isa.name)]
+CPU_ISAS = [isa.name for isa in KERNEL.isas if cpu_supports(isa) and grouped_matmul_available(isa.name)]
 needs_native = pytest.mark.skipif(not grouped_matmul_available(), reason="native kernel unavailable here")
 MATMULS = ["xla", pytest.param("native", marks=needs_native)]
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.cpu_kernels.native_build import NativeKernel
+from jaxinfer.cpu_kernels.native_build import FLOAT_ISAS, NativeKernel
 
 # The handlers per cache storage dtype; each ISA variant's is the symbol + isa.suffix.
 SYMBOLS = {
@@ -32,7 +32,7 @@ SYMBOLS = {
 }
 LANES = 16  # head_dim must be a multiple of this
 KERNEL = NativeKernel(
-    Path(__file__).with_suffix(".cc"), tuple(SYMBOLS.values()), "the CPU decode-attention kernel"
+    Path(__file__).with_suffix(".cc"), tuple(SYMBOLS.values()), "the CPU decode-attention kernel", FLOAT_ISAS
 )
 
 

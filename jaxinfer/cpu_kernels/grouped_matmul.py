@@ -23,7 +23,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.cpu_kernels.native_build import NativeKernel
+from jaxinfer.cpu_kernels.native_build import FLOAT_ISAS, NativeKernel
 from jaxinfer.weight_formats import Int4Weight, Int8Weight
 
 SYMBOL_F32 = "jaxinfer_grouped_matmul_f32"  # float32 weights; each ISA variant: SYMBOL + isa.suffix
@@ -33,6 +33,7 @@ KERNEL = NativeKernel(
     Path(__file__).with_suffix(".cc"),
     (SYMBOL_F32, SYMBOL_INT8, SYMBOL_INT4),
     "the native grouped matmul kernel",
+    FLOAT_ISAS,
 )
 INT4_MIN_GROUP = 32  # the kernel's int4 groups: a power of two of inputs from this one (32, 128, ...)
 

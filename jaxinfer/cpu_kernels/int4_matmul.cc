@@ -17,7 +17,8 @@
 //                                  the high nibbles (q[o, 8c + 4 + j]). q in [0, 31].
 // out     f32 [M, N]
 //
-// q is unsigned and x signed, the operand types of vpdpbusd (AVX-512 VNNI). AVX2 has no such instruction:
+// q is unsigned and x signed, the operand types of vpdpbusd (AVX-512 VNNI, and AVX-VNNI on 256 bits). AVX2 alone
+// has no such instruction:
 // vpmaddubsw (u8 x s8 -> s16 pair sums, at most 2 * 15 * 127) accumulates a whole block of 32 inputs in
 // 16 bits (8 products of at most 3810 stay below 32767), then one vpmaddwd widens it to 32 bits; with five
 // bits a pair reaches 2 * 31 * 127 = 7874, so int5 widens after every two chunks (4 pairs).
@@ -190,7 +191,7 @@ constexpr int kMaxOneTileRows = 5;
 template <int MR>
 constexpr int kBlocksOneTile = MR == 1 ? 4 : 2;
 
-#else  // AVX2
+#else  // AVX2, with vpdpbusd where built for AVX-VNNI
 
 // 8 lanes of a scale or minimum array at element `at`, widened from float16 (F16C) where they are half.
 inline __m256 LoadLanes(const void* base, bool half, int64_t at) {
@@ -251,9 +252,14 @@ inline void UnpackChunk(const Problem& p, int64_t nb0, int64_t c, bool ahead, __
 template <int MR, int NB, bool kFive, bool kUnpacked = false>
 void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m256i* unpacked = nullptr) {
   static_assert(NB == 1, "the AVX2 tile covers one block of 16 outputs");
+#if defined(__AVXVNNI__)
+  // vpdpbusd adds four byte products straight into 32 bits: nothing to widen.
+  constexpr int kChunksPerWiden = kBlockK / kChunkK;
+#else
   // Chunks whose pair sums one 16-bit lane holds: 8 pairs of 4-bit products, 4 of 5-bit ones.
   constexpr int kChunksPerWiden = kFive ? 2 : kBlockK / kChunkK;
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 total[MR][2];
   for (int i = 0; i < MR; ++i) total[i][0] = total[i][1] = _mm256_setzero_ps();
   const bool first_pass = m0 == 0;  // later row groups find this block's weights in L1
@@ -264,8 +270,10 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m256i* unpacked = n
       __m256i sum[MR][2];
       for (int i = 0; i < MR; ++i) sum[i][0] = sum[i][1] = _mm256_setzero_si256();
       for (int64_t c0 = b * (kBlockK / kChunkK); c0 < (b + 1) * (kBlockK / kChunkK); c0 += kChunksPerWiden) {
+#if !defined(__AVXVNNI__)
         __m256i acc[MR][2];
         for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_si256();
+#endif
         for (int64_t c = c0; c < c0 + kChunksPerWiden; ++c) {
           __m256i v[4];  // low nibbles of lanes 0-7, high nibbles; the same for lanes 8-15
           if constexpr (kUnpacked) {
@@ -277,14 +285,23 @@ void Tile(const Problem& p, int64_t m0, int64_t nb0, const __m256i* unpacked = n
             int32_t four[2];
             __builtin_memcpy(four, p.xq + (m0 + i) * p.k + c * kChunkK, 8);
             const __m256i x_lo = _mm256_set1_epi32(four[0]), x_hi = _mm256_set1_epi32(four[1]);
+#if defined(__AVXVNNI__)
+            sum[i][0] = _mm256_dpbusd_avx_epi32(sum[i][0], v[0], x_lo);
+            sum[i][0] = _mm256_dpbusd_avx_epi32(sum[i][0], v[1], x_hi);
+            sum[i][1] = _mm256_dpbusd_avx_epi32(sum[i][1], v[2], x_lo);
+            sum[i][1] = _mm256_dpbusd_avx_epi32(sum[i][1], v[3], x_hi);
+#else
             acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(v[0], x_lo));
             acc[i][0] = _mm256_add_epi16(acc[i][0], _mm256_maddubs_epi16(v[1], x_hi));
             acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(v[2], x_lo));
             acc[i][1] = _mm256_add_epi16(acc[i][1], _mm256_maddubs_epi16(v[3], x_hi));
+#endif
           }
         }
+#if !defined(__AVXVNNI__)
         for (int i = 0; i < MR; ++i)
           for (int h = 0; h < 2; ++h) sum[i][h] = _mm256_add_epi32(sum[i][h], _mm256_madd_epi16(acc[i][h], ones));
+#endif
       }
       for (int i = 0; i < MR; ++i) {
         const __m256 xs = _mm256_set1_ps(p.xs[(m0 + i) * (p.k / kBlockK) + b]);

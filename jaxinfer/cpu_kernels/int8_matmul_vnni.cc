@@ -11,6 +11,7 @@
 // AVX-512 VNNI: vpdpbusd multiplies unsigned by signed bytes, so the weights carry a +128 offset and the
 // activations stay signed (the broadcast operand); the offset's contribution, 128 * sum(x_q), is
 // subtracted per block.
+// AVX-VNNI (AVX2 machines with VEX-encoded VNNI, Intel's since Alder Lake): the same vpdpbusd on 256 bits.
 // AVX2: vpmaddubsw (u8 x s8 -> saturating s16 pair sums) then vpmaddwd with ones (-> s32). Offset
 // weights would reach 255 * 127 per product and overflow the pair sums, so the weight is made signed
 // again (byte ^ 0x80 = w_q, in [-127, 127]) and the signs move onto it: |x_q| * (w_q * sign(x_q)) pairs
@@ -106,7 +107,7 @@ constexpr bool kFiveRowTile = true;
 // last group's L1 prefetch below), 0.86x at 16, 0.97x at 64. Into L1 (T0), the same hints slowed one row.
 constexpr bool kFirstGroupPrefetches = true;
 
-#else  // AVX2
+#else  // AVX2, with vpdpbusd where built for AVX-VNNI
 
 // How far ahead of its loads a product of fewer rows than a row group (Rows) asks for its weights: its one
 // pass streams them from memory, and nothing else prefetches them. Decode at one stream on a Zen 1 EPYC,
@@ -118,8 +119,10 @@ template <int MR, int NB>
 void Tile(const Problem& p, int64_t m0, int64_t n0, bool prefetch_next) {
   constexpr int H = 2 * NB;
   const bool only_pass = m0 == 0 && MR == p.m && !prefetch_next;
+#if !defined(__AVXVNNI__)
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+#endif
   __m256 total[MR][H];
   for (int i = 0; i < MR; ++i)
     for (int h = 0; h < H; ++h) total[i][h] = _mm256_setzero_ps();
@@ -129,11 +132,13 @@ void Tile(const Problem& p, int64_t m0, int64_t n0, bool prefetch_next) {
     for (int i = 0; i < MR; ++i)
       for (int h = 0; h < H; ++h) acc[i][h] = _mm256_setzero_si256();
     for (int64_t k = b * p.block; k < (b + 1) * p.block; k += 4) {
-      __m256i wv[H];  // w_q, signed
-      for (int h = 0; h < H; ++h)
-        wv[h] = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (h / 2) * p.k * kBlockN + k * kBlockN + (h % 2) * 32)),
-            offset);
+      __m256i wv[H];  // w_q + 128 for vpdpbusd, else w_q (signed)
+      for (int h = 0; h < H; ++h) {
+        wv[h] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (h / 2) * p.k * kBlockN + k * kBlockN + (h % 2) * 32));
+#if !defined(__AVXVNNI__)
+        wv[h] = _mm256_xor_si256(wv[h], offset);
+#endif
+      }
       if (prefetch_next)
         for (int j = 0; j < NB; ++j)
           _mm_prefetch(reinterpret_cast<const char*>(w + (NB + j) * p.k * kBlockN + k * kBlockN), _MM_HINT_T0);
@@ -143,15 +148,24 @@ void Tile(const Problem& p, int64_t m0, int64_t n0, bool prefetch_next) {
       for (int i = 0; i < MR; ++i) {
         int32_t four;
         __builtin_memcpy(&four, p.x + (m0 + i) * p.k + k, 4);
-        const __m256i xv = _mm256_set1_epi32(four), magnitude = _mm256_abs_epi8(xv);
+        const __m256i xv = _mm256_set1_epi32(four);
+#if defined(__AVXVNNI__)
+        for (int h = 0; h < H; ++h) acc[i][h] = _mm256_dpbusd_avx_epi32(acc[i][h], wv[h], xv);
+#else
+        const __m256i magnitude = _mm256_abs_epi8(xv);
         for (int h = 0; h < H; ++h) {
           const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(wv[h], xv));
           acc[i][h] = _mm256_add_epi32(acc[i][h], _mm256_madd_epi16(pairs, ones));
         }
+#endif
       }
     }
     for (int i = 0; i < MR; ++i) {
       const __m256 scale = _mm256_set1_ps(p.x_scale[(m0 + i) * p.kb + b]);
+#if defined(__AVXVNNI__)
+      const __m256i comp = _mm256_set1_epi32(p.x_comp[(m0 + i) * p.kb + b]);
+      for (int h = 0; h < H; ++h) acc[i][h] = _mm256_sub_epi32(acc[i][h], comp);
+#endif
       for (int h = 0; h < H; ++h) total[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]), scale, total[i][h]);
     }
   }

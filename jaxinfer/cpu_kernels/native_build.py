@@ -76,7 +76,7 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
-SIMD_FEATURES = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+SIMD_FEATURES = ("sse4_2", "avx", "avx2", "fma", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                  "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")  # fmt: skip
 
 
@@ -122,8 +122,13 @@ AVX512_VNNI = Isa(
     ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"),
     ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
 )
+# AVX2 with the VEX-encoded VNNI dot products (Intel's cores without AVX-512 since Alder Lake): the int8 and
+# int4 products' AVX2 code with vpdpbusd on 256 bits in place of vpmaddubsw + vpmaddwd. Kernels without
+# integer dot products build only FLOAT_ISAS.
+AVX_VNNI = Isa("avx_vnni", ("avx2", "fma", "f16c", "avx_vnni"), ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"))
 AVX2 = Isa("avx2", ("avx2", "fma", "f16c"), ("-mavx2", "-mfma", "-mf16c"))
-ISAS = (AVX512_VNNI, AVX2)  # fastest first
+ISAS = (AVX512_VNNI, AVX_VNNI, AVX2)  # fastest first
+FLOAT_ISAS = (AVX512_VNNI, AVX2)
 
 
 def cpu_supports(isa: Isa) -> bool:
@@ -131,16 +136,17 @@ def cpu_supports(isa: Isa) -> bool:
 
 
 def best_isa(isas: tuple[Isa, ...] = ISAS) -> Isa | None:
-    """The fastest of `isas` this CPU runs; $JAXINFER_CPU_ISA=avx2 caps the choice at that ISA (to run
-    the AVX2 code on an AVX-512 machine). None on other CPUs or with JAXINFER_NATIVE_KERNELS=0."""
+    """The fastest of `isas` this CPU runs; $JAXINFER_CPU_ISA (one of ISAS' names) caps the choice at that
+    ISA or a slower one (to run the AVX2 code on an AVX-512 machine). None on other CPUs or with
+    JAXINFER_NATIVE_KERNELS=0."""
     if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
         return None
     cap = os.environ.get("JAXINFER_CPU_ISA")
-    names = [isa.name for isa in isas]
+    names = [isa.name for isa in ISAS]
     if cap is not None and cap not in names:
         raise ValueError(f"JAXINFER_CPU_ISA={cap!r} is not one of {names}")
-    start = names.index(cap) if cap else 0
-    return next((isa for isa in isas[start:] if cpu_supports(isa)), None)
+    allowed = ISAS[names.index(cap) :] if cap else ISAS
+    return next((isa for isa in isas if isa in allowed and cpu_supports(isa)), None)
 
 
 def register_isa_kernels(source: Path, isa: Isa, symbols: tuple[str, ...]) -> bool:
@@ -214,7 +220,14 @@ class NativeKernel:
         return symbol + chosen.suffix
 
     def _by_name(self, name: str) -> Isa:
-        by_name = {isa.name: isa for isa in self.isas}
-        if name not in by_name:
-            raise ValueError(f"unknown ISA {name!r} for {self.title}; choose one of {sorted(by_name)}")
-        return by_name[name]
+        """`name`'s variant, or where this kernel builds none for it (a float kernel asked for avx_vnni) the
+        fastest one it builds below it, as a CPU capped at `name` would run."""
+        names = [isa.name for isa in ISAS]
+        if name not in names:
+            raise ValueError(f"unknown ISA {name!r} for {self.title}; choose one of {sorted(names)}")
+        below = [isa for isa in ISAS[names.index(name) :] if isa in self.isas]
+        if not below:
+            raise ValueError(
+                f"{self.title} has no variant for {name!r} or below; it builds {[i.name for i in self.isas]}"
+            )
+        return below[0]

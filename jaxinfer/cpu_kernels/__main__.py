@@ -1,5 +1,5 @@
 """Builds the native CPU kernels now (they are otherwise built on first use) and says which this machine runs:
-each kernel's variant is the fastest ISA this CPU supports ($JAXINFER_CPU_ISA=avx2 caps it at AVX2).
+each kernel's variant is the fastest ISA this CPU supports ($JAXINFER_CPU_ISA=avx_vnni or avx2 caps it there).
 
 .venv/bin/python -m jaxinfer.cpu_kernels
 """

@@ -1,11 +1,12 @@
 """int4 (and int5) weights times int8-quantised activations on x86-64 CPUs: a C++ XLA FFI kernel
-(int4_matmul.cc) built for AVX-512 VNNI and for AVX2, the fastest variant this CPU runs chosen at run time.
+(int4_matmul.cc) built for AVX-512 VNNI, AVX-VNNI and AVX2, the fastest variant this CPU runs chosen at run
+time.
 
 XLA:CPU has no fast form of a 4-bit weight: unpacking nibbles in the graph runs far slower than the float
 product. The kernel reads the packed nibbles once per row group, quantises the activations per row and
 block of 32 inputs (symmetric int8, as llama.cpp's Q8_0 activations) and multiplies bytes: vpdpbusd on
-AVX-512 VNNI, vpmaddubsw + vpmaddwd on AVX2. The group minimums multiply the float sums of the
-activations, so only the q * scale part sees activation rounding.
+AVX-512 VNNI (and on 256 bits with AVX-VNNI), vpmaddubsw + vpmaddwd on AVX2. The group minimums multiply
+the float sums of the activations, so only the q * scale part sees activation rounding.
 
 `pack_int4` turns a weight_formats.Int4Weight into the kernel's PackedInt4Weight (the packed bytes replace
 the Int4Weight's, so the weight is held once), with float16 scales and minimums where `exact_in_float16`
@@ -112,7 +113,7 @@ def int4_matmul_cpu(
     """x [rows, in] float . w (pack_int4's or pack_int5's form of [out, in]) -> [rows, out] float32. With
     `layer`, w's arrays stack every layer's weight along a leading axis (layer_stack.py) and the kernel
     reads that layer's in place. Runs the chosen variant (KERNEL.chosen_isa()), or the one named by `isa`
-    ("avx512_vnni", "avx2")."""
+    ("avx512_vnni", "avx_vnni", "avx2")."""
     five = isinstance(w, PackedInt5Weight)
     target = KERNEL.target(SYMBOL_INT5 if five else SYMBOL, isa)  # registers it on first use
     blocks, chunks = w.packed.shape[-4:-2]

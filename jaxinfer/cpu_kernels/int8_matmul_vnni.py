@@ -1,12 +1,12 @@
-"""int8 x int8 matmul on x86-64 CPUs: a C++ XLA FFI kernel (int8_matmul_vnni.cc) built for AVX-512 VNNI
-and for AVX2, the fastest variant this CPU runs chosen at run time (native_build.best_isa).
+"""int8 x int8 matmul on x86-64 CPUs: a C++ XLA FFI kernel (int8_matmul_vnni.cc) built for AVX-512 VNNI,
+AVX-VNNI and AVX2, the fastest variant this CPU runs chosen at run time (native_build.best_isa).
 
 XLA:CPU runs products of several rows through YNNPACK, which repacks the weight on every call and
 reaches ~80 GMAC/s in bf16 on this project's 2-core machine (Gemma 3's 262k x 640 logits product at 16
 rows: ~30 ms). This kernel reads a weight packed once at load time (`pack_weight`) and multiplies
-bytes: vpdpbusd on AVX-512 VNNI (the same product in ~11 ms), vpmaddubsw + vpmaddwd on AVX2 (the signs
-of the activations moved onto the weights, so no 16-bit pair sum saturates). Both read the one packed
-layout.
+bytes: vpdpbusd on AVX-512 VNNI (the same product in ~11 ms) and on 256 bits with AVX-VNNI, vpmaddubsw +
+vpmaddwd on AVX2 (the signs of the activations moved onto the weights, so no 16-bit pair sum saturates).
+All read the one packed layout.
 
 The kernel takes float activations and quantises them per row and per block of ACTIVATION_BLOCK input
 channels (symmetric, int8; quantize_activations.h, shared with the int4 kernel), so an outlier channel
@@ -59,8 +59,8 @@ def int8_matmul_vnni(
     """x [rows, in] float . int8 weight [out, in] (packed by pack_weight; scale float32 [out] per output
     channel) -> [rows, out] float32. With `layer`, packed and scale stack every layer's along a leading
     axis (layer_stack.py) and the kernel reads that layer's in place. Runs the chosen variant
-    (KERNEL.chosen_isa(); needs vnni_available()), or the one named by `isa` ("avx512_vnni", "avx2"),
-    which this CPU must support."""
+    (KERNEL.chosen_isa(); needs vnni_available()), or the one named by `isa` ("avx512_vnni", "avx_vnni",
+    "avx2"), which this CPU must support."""
     target = KERNEL.target(SYMBOL, isa)  # registers it on first use
     blocks, quads = packed.shape[-4:-2]
     if packed.ndim != (4 if layer is None else 5) or x.ndim != 2 or x.shape[1] != quads * BLOCK_K:

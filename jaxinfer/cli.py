@@ -109,7 +109,7 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
         "--speculative-max-rows", type=int, default=None,
         help="speculate only while at most this many requests decode (past it a step is no longer bound "
         "by reading the weights and drafts stop paying); default: the crossover measured on this "
-        "backend, 4 with AVX-512 VNNI kernels and on accelerators, 1 on AVX2-only CPUs",
+        "backend, 4 with AVX-512 VNNI kernels and on accelerators, 1 with AVX-VNNI or AVX2 alone",
     )  # fmt: skip
     p.add_argument("--draft-heads", default=None, help="draft heads folder (scripts/train_draft_heads.py)")
     p.add_argument(

@@ -480,6 +480,7 @@ def test_a_servers_speculation_defaults_follow_its_backends_measurements(monkeyp
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     for isa, rows, drafts, pause in (
         (native_build.AVX512_VNNI, 4, 4, 0.2),
+        (native_build.AVX_VNNI, 1, 4, 0.2),
         (native_build.AVX2, 1, 2, 0.5),
         (None, 1, 2, 0.5),
     ):

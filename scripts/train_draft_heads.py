@@ -76,8 +76,10 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--out", type=Path, help="default: $JAXINFER_CACHE_DIR/draft_heads/<model>")
     args = p.parse_args()
-    if not 0.0 <= args.soft_weight <= 1.0:  # before the long generation, not after it
-        p.error(f"--soft-weight must lie in [0, 1], got {args.soft_weight}")
+    try:
+        teacher_top_k(args.soft_weight)  # refused before the long generation, not after it
+    except ValueError as error:
+        p.error(str(error))
     return args
 
 

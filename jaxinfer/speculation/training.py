@@ -191,11 +191,6 @@ def draft_indexer(vocab: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     return index
 
 
-def draft_index(tokens: np.ndarray, vocab: np.ndarray) -> np.ndarray:
-    """Each token's index in the draft vocabulary `vocab`, -1 where it is not in it."""
-    return draft_indexer(vocab)(tokens)
-
-
 @dataclasses.dataclass
 class Examples:
     """Teacher-forced examples: the head at depth i sees z from `hidden` and token inputs[:, i], and

@@ -18,6 +18,9 @@ from jaxinfer.cpu_kernels import (
     decode_attention_cpu_reference,
 )
 from jaxinfer.cpu_kernels.native_build import (
+    AVX2,
+    AVX512_VNNI,
+    AVX_VNNI,
     ISAS,
     best_isa,
     cpu_description,
@@ -65,6 +68,17 @@ def test_the_benchmarks_cpu_line_names_the_kernel_variant_and_the_xla_cap(isa, m
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("JAXINFER_NATIVE_KERNELS", "0")
     assert cpu_description().endswith("; native kernel ISA: none (XLA serves)")
+
+
+def test_the_isa_cap_admits_that_isa_and_the_slower_ones_and_refuses_other_names(monkeypatch):
+    monkeypatch.delenv("JAXINFER_NATIVE_KERNELS", raising=False)
+    monkeypatch.setenv("JAXINFER_CPU_ISA", "avx_vnni")
+    allowed = [isa for isa in (AVX_VNNI, AVX2) if cpu_supports(isa)]
+    assert best_isa() == (allowed[0] if allowed else None)
+    assert best_isa((AVX512_VNNI,)) is None  # above the cap
+    monkeypatch.setenv("JAXINFER_CPU_ISA", "sse2")
+    with pytest.raises(ValueError, match="JAXINFER_CPU_ISA='sse2' is not one of"):
+        best_isa()
 
 
 def _bf16_bits(x) -> jax.Array:

@@ -142,11 +142,17 @@ def best_isa(isas: tuple[Isa, ...] = ISAS) -> Isa | None:
     if os.environ.get("JAXINFER_NATIVE_KERNELS", "1") == "0":
         return None
     cap = os.environ.get("JAXINFER_CPU_ISA")
-    names = [isa.name for isa in ISAS]
-    if cap is not None and cap not in names:
-        raise ValueError(f"JAXINFER_CPU_ISA={cap!r} is not one of {names}")
-    allowed = ISAS[names.index(cap) :] if cap else ISAS
+    allowed = isas_from(cap, f"JAXINFER_CPU_ISA={cap!r}") if cap else ISAS
     return next((isa for isa in isas if isa in allowed and cpu_supports(isa)), None)
+
+
+def isas_from(name: str, what: str) -> tuple[Isa, ...]:
+    """The ISA called `name` and the slower ones in ISAS: what a CPU capped at `name` may run. A
+    ValueError naming `what` (the setting that gave the name) where no ISA is called `name`."""
+    names = [isa.name for isa in ISAS]
+    if name not in names:
+        raise ValueError(f"{what} is not one of {names}: unknown ISA")
+    return ISAS[names.index(name) :]
 
 
 def register_isa_kernels(source: Path, isa: Isa, symbols: tuple[str, ...]) -> bool:
@@ -222,10 +228,7 @@ class NativeKernel:
     def _by_name(self, name: str) -> Isa:
         """`name`'s variant, or where this kernel builds none for it (a float kernel asked for avx_vnni) the
         fastest one it builds below it, as a CPU capped at `name` would run."""
-        names = [isa.name for isa in ISAS]
-        if name not in names:
-            raise ValueError(f"unknown ISA {name!r} for {self.title}; choose one of {sorted(names)}")
-        below = [isa for isa in ISAS[names.index(name) :] if isa in self.isas]
+        below = [isa for isa in isas_from(name, f"ISA {name!r} for {self.title}") if isa in self.isas]
         if not below:
             raise ValueError(
                 f"{self.title} has no variant for {name!r} or below; it builds {[i.name for i in self.isas]}"

@@ -62,6 +62,12 @@ class SpeculationConfig:
             raise ValueError(f"need 1 <= ngram_min={self.ngram_min} <= ngram_max={self.ngram_max}")
 
 
+ACCELERATOR = "accelerator"
+# CPUs where even one row keeps the multipliers busy (the native kernels' AVX2 code, or XLA's), so each
+# position a step verifies adds about its own multiply time.
+EACH_POSITION_MULTIPLIES = ("avx2", None)
+
+
 def default_max_rows() -> int:
     """Up to how many decoding requests verifying drafts pays on this backend, as measured with
     `scripts/bench_speculative.py --crossover` (docs/benchmarks.md). On CPU it is the native kernels'
@@ -72,8 +78,8 @@ def default_max_rows() -> int:
     slower per row still. With AVX-VNNI's 256-bit dot products (an AVX2 core, XLA's own code AVX2) a
     5-position step still pays at one request but not past it (the code edit: 1.60x at one, 1.05x at
     two, 0.81x at four). Accelerators keep the larger value until one is measured."""
-    one_row = _verified_positions_cost_their_multiplies() or _dot_products_on_256_bits()
-    return 1 if one_row else SpeculationConfig.max_rows
+    one_row = (*EACH_POSITION_MULTIPLIES, "avx_vnni")
+    return 1 if _kernel_isa() in one_row else SpeculationConfig.max_rows
 
 
 def default_num_draft_tokens() -> int:
@@ -82,7 +88,7 @@ def default_num_draft_tokens() -> int:
     drafts pay only when nearly all are accepted: SmolLM2 with prompt lookup at one stream on an AVX2-only
     EPYC, 16 chat prompts, geometric mean 0.92-0.94x with four drafts against 1.01-1.02x with two (the
     code edit 0.93-0.96x / 1.02-1.03x). Elsewhere 4."""
-    return 2 if _verified_positions_cost_their_multiplies() else SpeculationConfig.num_draft_tokens
+    return 2 if _kernel_isa() in EACH_POSITION_MULTIPLIES else SpeculationConfig.num_draft_tokens
 
 
 def default_min_accepted() -> float:
@@ -92,7 +98,7 @@ def default_min_accepted() -> float:
     it saves: SmolLM2 with its draft heads at one stream on a Zen 4 EPYC, 16 chat prompts, geometric
     mean 1.45x at 0.2 against 1.40x at 0.5 (prompt lookup alone: 1.30x either way). Where each verified
     position costs its own multiplies, 0.5."""
-    return SpeculationConfig.min_accepted if _verified_positions_cost_their_multiplies() else 0.2
+    return SpeculationConfig.min_accepted if _kernel_isa() in EACH_POSITION_MULTIPLIES else 0.2
 
 
 def server_config(method: SpeculativeMethod | str, **fields) -> SpeculationConfig:
@@ -108,24 +114,17 @@ def server_config(method: SpeculativeMethod | str, **fields) -> SpeculationConfi
     return SpeculationConfig(method=method, **{**measured, **given})
 
 
-def _verified_positions_cost_their_multiplies() -> bool:
-    """A CPU whose native kernels run AVX2 alone, or none (XLA): even one row keeps the multipliers
-    busy, so each position a step verifies adds about its own multiply time."""
+def _kernel_isa() -> str | None:
+    """The name of the ISA the native CPU kernels run on this backend: None on a CPU where XLA serves,
+    ACCELERATOR off the CPU."""
     import jax
 
-    from jaxinfer.cpu_kernels.native_build import AVX2, best_isa
+    from jaxinfer.cpu_kernels.native_build import best_isa
 
-    return jax.default_backend() == "cpu" and best_isa() in (AVX2, None)
-
-
-def _dot_products_on_256_bits() -> bool:
-    """A CPU whose native kernels run the AVX-VNNI variant: byte dot products as with AVX-512 VNNI, on
-    vectors half as wide."""
-    import jax
-
-    from jaxinfer.cpu_kernels.native_build import AVX_VNNI, best_isa
-
-    return jax.default_backend() == "cpu" and best_isa() is AVX_VNNI
+    if jax.default_backend() != "cpu":
+        return ACCELERATOR
+    isa = best_isa()
+    return isa.name if isa else None
 
 
 def min_probabilities(value: float | str | Sequence[float]) -> tuple[float, ...]:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxinfer.request import SamplingParams
+from jaxinfer.speculation.step_costs import StepCosts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,3 +182,6 @@ class Engine(abc.ABC):
     def warmup(self) -> float:
         """Compiles every program the engine will run; returns the seconds it took."""
         return 0.0
+
+    # What its verification steps cost against plain ones (measured at warm-up); None: not measured.
+    step_costs: StepCosts | None = None

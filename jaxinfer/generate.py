@@ -75,6 +75,7 @@ def generate(
         grammar_compiler=GrammarCompiler(tokenizer) if any(s.structured_output for s in sampling) else None,
         speculation=speculation,
         draft_heads_depth=engine.draft_heads_depth,
+        step_costs=engine.step_costs,
     )
     for index, (ids, s) in enumerate(zip(prompts, sampling)):
         scheduler.add_request(str(index), ids, with_eos(s, tokenizer.eos_ids))

@@ -56,6 +56,7 @@ from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs, 
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
 from jaxinfer.speculation.config import min_probabilities
 from jaxinfer.speculation.draft_heads import DraftHeads, for_serving, propose
+from jaxinfer.speculation.step_costs import StepCosts
 from jaxinfer.structured_output import ALLOW_ALL, allow_all, mask_words
 
 log = logging.getLogger(__name__)
@@ -466,6 +467,7 @@ class JaxEngine(api.Engine):
         self.compile_count = 0  # programs made ready: compiled, or loaded from the program cache
         self.loaded_count = 0  # of them, loaded
         self._warm = False
+        self.step_costs: StepCosts | None = None  # measured by warmup() where the engine verifies drafts
         self._program_cache = None
         if program_cache_dir and serves(self.mesh):
             devices = list(self.mesh.devices.flat)
@@ -838,7 +840,39 @@ class JaxEngine(api.Engine):
         if self._program_cache is not None:
             self._program_cache.drop_preloaded()
         self._warm = prompt_lengths is None
+        if verify:
+            self.step_costs = self._measure_step_costs(decode, verify)
         return time.perf_counter() - start
+
+    def _measure_step_costs(
+        self, decode: set[tuple[int, int]], verify: set[tuple[int, int, int]], calls: int = 4
+    ) -> StepCosts:
+        """Times the warmed-up programs of each row bucket that verifies, in the smallest page bucket
+        compiled for it, with no row listed (they change nothing): `calls` plain steps sent one after
+        another as the serving loop sends them, and `calls` verification steps per width, each read
+        before the next goes out. Medians, against the noise of a shared machine."""
+        plain, verified = {}, {}
+        for rows in sorted({r for _, r, _ in verify}):
+            pages = min(p for p, r in decode if r == rows)
+            args = np.full(rows, -1, np.int32), None, np.zeros((rows, pages), np.int32)
+            mask = self._mask_rows(None, rows)
+            times = []
+            for _ in range(2):  # two rounds of back-to-back steps
+                begin = time.perf_counter()
+                steps = [self._decode_step(*args, mask) for _ in range(calls)]
+                np.asarray(steps[-1])
+                times.append((time.perf_counter() - begin) / calls)
+            plain[rows] = min(times)
+            for width in sorted({w for _, r, w in verify if r == rows}):
+                pages = min(p for p, r, w in verify if (r, w) == (rows, width))
+                drafts, page_table = np.full((rows, width), -1, np.int32), np.zeros((rows, pages), np.int32)
+                times = []
+                for _ in range(calls):
+                    begin = time.perf_counter()
+                    np.asarray(self._decode_step(args[0], drafts, page_table, mask))
+                    times.append(time.perf_counter() - begin)
+                verified[rows, width] = float(np.median(times))
+        return StepCosts(plain, verified)
 
 
 # What a sampler reads of the weights: the output layer (embed when tied) and, for draft heads, the

@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxinfer import engine as api
 from jaxinfer.request import SamplingParams
+from jaxinfer.speculation.step_costs import StepCosts
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +313,10 @@ class LockstepEngine(api.Engine):
     @property
     def draft_heads_depth(self) -> int:
         return self.engine.draft_heads_depth
+
+    @property
+    def step_costs(self) -> StepCosts | None:
+        return self.engine.step_costs
 
     def _broadcast(self, message: dict) -> None:
         if self._closed:

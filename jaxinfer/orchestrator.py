@@ -190,6 +190,7 @@ class Orchestrator:
             grammar_compiler=self._grammar,
             speculation=speculation,
             draft_heads_depth=engine.draft_heads_depth,
+            step_costs=engine.step_costs,
         )
         self._cond = threading.Condition()  # guards _scheduler and the flags below
         # Live handles: added by submit(), removed by the stream thread when the last event is sent.

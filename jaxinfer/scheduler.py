@@ -54,8 +54,9 @@ from jaxinfer.kv_cache import NULL_PAGE
 from jaxinfer.page_pool import PageHash, PagePool, extend_page_hashes
 from jaxinfer.request import FinishReason, RequestError, SamplingParams
 from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod
-from jaxinfer.speculation.gate import DraftGate
+from jaxinfer.speculation.gate import BatchGate, DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
+from jaxinfer.speculation.step_costs import StepCosts
 from jaxinfer.structured_output import GrammarCompiler, Matcher, allow_all
 
 
@@ -277,6 +278,7 @@ class Scheduler:
         grammar_compiler: GrammarCompiler | None = None,
         speculation: SpeculationConfig | None = None,
         draft_heads_depth: int = 0,
+        step_costs: StepCosts | None = None,
     ):
         budget = max_prefill_chunk if prefill_token_budget is None else prefill_token_budget
         for name, value in [
@@ -300,6 +302,9 @@ class Scheduler:
         self._grammar = grammar_compiler
         self.speculation = speculation
         self._draft_heads_depth = draft_heads_depth
+        # Measured by the engine; without them, speculation is judged per request only.
+        self._step_costs = step_costs
+        self._batch_gates: dict[int, BatchGate] = {}  # by the engine's row bucket (StepCosts.rows)
         if (
             speculation is not None
             and speculation.method is SpeculativeMethod.HEADS
@@ -617,8 +622,32 @@ class Scheduler:
         )
 
     def _speculation_on(self) -> bool:
-        """The batch-size switch: speculate only while few requests decode (SpeculationConfig.max_rows)."""
-        return self.speculation is not None and self.num_running <= self.speculation.max_rows
+        """The batch switches: speculate only while few requests decode (SpeculationConfig.max_rows) and,
+        over several, while verification steps give the batch more tokens than plain ones would in
+        their time (_batch_gate)."""
+        if self.speculation is None or self.num_running > self.speculation.max_rows:
+            return False
+        gate = self._batch_gate()
+        return gate is None or gate.is_open
+
+    def _batch_gate(self) -> BatchGate | None:
+        """The gate of the row bucket the running requests' slots decode in, where several requests run
+        and the engine measured its step costs (one request's own gates judge its drafts alone)."""
+        if self._step_costs is None or self.num_running < 2:
+            return None
+        slots = 1 + max(slot for slot, seq in enumerate(self._slot_owner) if seq is not None)
+        return self._batch_gates.setdefault(self._step_costs.rows(slots), BatchGate())
+
+    def _judge_batch(self, owners: dict[int, Owner], result: StepOutput, num_drafts: dict[int, int]) -> None:
+        """Folds a verification step over several requests into its row bucket's gate: its tokens
+        against the rows a plain step would have given in its time."""
+        if self._step_costs is None or len(owners) < 2:
+            return
+        slots = 1 + max(owners)
+        cost = self._step_costs.ratio(slots, max(num_drafts.values(), default=0))
+        tokens = sum(int(result.num_tokens[slot]) for slot in owners if result.valid[slot])
+        gate = self._batch_gates.setdefault(self._step_costs.rows(slots), BatchGate())
+        gate.judge(self.speculation, tokens / (len(owners) * cost))
 
     def _drafts(self, seq: SequenceState, heads: bool) -> tuple[list[int], SpeculativeMethod]:
         """The tokens `seq` drafts for this step (never past max_tokens or the context) and the drafter
@@ -759,6 +788,8 @@ class Scheduler:
                 seq.num_computed += 1
         batch = None
         if decode_owners:
+            if (gate := self._batch_gate()) is not None:
+                gate.tick()  # one decode step planned: a pause runs one step shorter
             masks = None
             if constrained:
                 masks = allow_all(self.num_slots, self._grammar.num_words)
@@ -877,6 +908,8 @@ class Scheduler:
                     finished.append(self._finish(seq, reason, **news.pop(seq.request_id).fields()))
                 else:
                     self._cache_full_pages(seq)
+        if batch is not None and batch.drafts is not None and decode_result is not None:
+            self._judge_batch(scheduler_output.decode_owners, decode_result, scheduler_output.num_drafts)
         if defer_text:
             self._deferred_text = list(news.values())
             self._check_invariants()

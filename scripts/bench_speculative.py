@@ -109,6 +109,11 @@ def main() -> None:
         help="the adaptive pause's threshold (0: never pause, the drafters' raw effect); default: "
         "default_min_accepted()",
     )  # fmt: skip
+    ap.add_argument(
+        "--no-batch-gate", action="store_true",
+        help="judge drafts per request only, not what verification steps cost a batch (BatchGate): the raw "
+        "effect of verifying at each stream count",
+    )  # fmt: skip
     args = ap.parse_args()
 
     print(cpu_description())
@@ -125,6 +130,10 @@ def main() -> None:
         f"warm-up {runtime.engine.warmup():.1f} s; draft heads: {runtime.engine.draft_heads_depth or 'none'};"
         f" {config.num_draft_tokens} drafts per step, speculation up to {config.max_rows} decoding requests"
     )
+    if runtime.engine.step_costs is not None:
+        print(f"step costs (verification in plain steps): {runtime.engine.step_costs.summary()}")
+    if args.no_batch_gate:
+        runtime.engine.step_costs = None  # what the scheduler's batch gate weighs verification with
     tok = runtime.tokenizer
     sampling = with_eos(SamplingParams(temperature=0, max_tokens=args.max_tokens), tok.eos_ids)
 

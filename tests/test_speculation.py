@@ -26,8 +26,9 @@ from jaxinfer.speculation.config import (
     server_config,
 )
 from jaxinfer.speculation.draft_heads import init_heads
-from jaxinfer.speculation.gate import DraftGate
+from jaxinfer.speculation.gate import BatchGate, DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
+from jaxinfer.speculation.step_costs import StepCosts
 from jaxinfer.structured_output import ALLOW_ALL, mask_words
 from jaxinfer.testing import FakeTokenizer, IdTokenizer, MockEngine, paged_cache_config
 from tests.test_engine import GEMMA, LLAMA
@@ -227,6 +228,11 @@ def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
     assert engine._verify_widths == (0, 1, 2, 3, 4)
     engine.warmup(prompt_lengths=[9, 14], max_new_tokens=40)
     compiled = engine.compile_count
+    # Warm-up measured what each compiled width costs, for the scheduler's batch gate.
+    costs = engine.step_costs
+    assert set(costs.plain) == {1, 2} and set(costs.verify) == {(r, w) for r in (1, 2) for w in range(5)}
+    assert costs.ratio(2, 3) == costs.verify[2, 3] / costs.plain[2] > 0
+    engine.step_costs = None  # the widths below must not depend on this machine's timings
     widths = []
     run = engine._run
 
@@ -464,6 +470,54 @@ def test_speculation_stops_when_more_requests_decode_than_max_rows():
     verified = [listed for listed, drafts in zip(engine.decode_log, engine.draft_log) if drafts]
     assert verified  # it ran once two requests had finished
     assert all(len(listed) <= 2 for listed in verified)  # and only while at most two decoded
+
+
+def _unsure_heads_pattern(slots: int, cost: float, pause_steps: int = 5) -> tuple[list[bool], list]:
+    """`slots` requests with heads sure of nothing (each step that runs them costs `cost` plain steps
+    and gives one token per row), per-request gates that never pause: whether the heads ran in each
+    decode step, and the results."""
+    tok = FakeTokenizer()
+    engine = MockEngine(num_slots=4, max_seq_len=200, vocab_size=tok.vocab_size, max_draft_tokens=2,
+                        draft_heads_depth=2, heads_unsure=True)  # fmt: skip
+    engine.step_costs = StepCosts(
+        {1: 1.0, 2: 2.0, 4: 4.0}, {(r, w): cost * r for r in (1, 2, 4) for w in (0, 1, 2)}
+    )
+    sampling = [SamplingParams(seed=i, max_tokens=60, stop_token_ids=tok.eos_ids) for i in range(slots)]
+    prompts = [[3 + 7 * i, 4 + 7 * i] for i in range(slots)]
+    spec = SpeculationConfig(method="heads", num_draft_tokens=2, pause_steps=pause_steps, min_accepted=0.0)
+    results = generate(engine, tok, prompts, sampling, speculation=spec)
+    for prompt, s, r in zip(prompts, sampling, results):
+        assert r.token_ids == engine.reference_tokens(prompt, s)
+    return [bool(heads) for heads in engine.heads_log], results
+
+
+def test_verification_steps_that_cost_the_batch_more_than_they_give_pause_it():
+    """Two requests whose heads draft nothing: each verification step (the heads proposing) costs 1.25
+    plain steps for one token per row. After BatchGate.MIN_STEPS such steps the batch decodes plainly
+    for pause_steps steps, tries again, fails again and waits twice as long. The requests' own gates
+    (min_accepted 0) never pause them: it is the batch gate that judges what the steps cost."""
+    ran, _ = _unsure_heads_pattern(2, cost=1.25)
+    m = BatchGate.MIN_STEPS
+    assert ran[: m + 5 + m + 10] == [True] * m + [False] * 5 + [True] * m + [False] * 10
+    # A step costing less than the tokens it gives keeps speculation on; one request alone is judged
+    # by its own gates only.
+    assert all(_unsure_heads_pattern(2, cost=0.95)[0][:-1])
+    assert all(_unsure_heads_pattern(1, cost=1.25)[0][:-1])
+
+
+def test_step_costs_find_the_bucket_of_a_step():
+    costs = StepCosts({1: 2.0, 4: 3.0}, {(1, 0): 2.2, (1, 2): 3.0, (1, 4): 4.0, (4, 2): 4.5, (4, 4): 6.0})
+    assert costs.rows(1) == 1 and costs.rows(2) == costs.rows(4) == 4
+    assert costs.ratio(1, 0) == pytest.approx(1.1) and costs.ratio(1, 3) == pytest.approx(2.0)
+    assert costs.ratio(3, 1) == pytest.approx(1.5)  # 3 slots run in the bucket of 4, 1 draft in width 2
+    with pytest.raises(ValueError, match="no measured row bucket holds 5"):
+        costs.rows(5)
+    with pytest.raises(ValueError, match="verifying 5 drafts"):
+        costs.ratio(4, 5)
+    with pytest.raises(ValueError, match="different rows"):
+        StepCosts({1: 2.0}, {(2, 1): 3.0})
+    with pytest.raises(ValueError, match="positive"):
+        StepCosts({1: 0.0}, {(1, 1): 3.0})
 
 
 def test_a_servers_speculation_defaults_follow_its_backends_measurements(monkeypatch):

@@ -14,21 +14,36 @@ from jaxinfer.speculation.config import SpeculationConfig
 
 
 @dataclasses.dataclass
-class DraftGate:
-    """average: accepted drafts per full-width step, an exponential average of the steps judged;
-    paused: decode steps left before the drafter tries again; next_pause: the length of the pause
-    after the next failure (doubles while retries keep failing); steps: steps judged since drafting
-    began or last resumed; drafted: drafts judged in all."""
+class Pausing:
+    """A switch that failure turns off for a while: paused: decode steps left before it tries again;
+    next_pause: the length of the pause after the next failure (doubles while retries keep failing,
+    up to 16 times config.pause_steps)."""
 
-    average: float = 0.0
     paused: int = 0
     next_pause: int = 0
-    steps: int = 0
-    drafted: int = 0
 
     @property
     def is_open(self) -> bool:
         return not self.paused
+
+    def tick(self) -> None:
+        """One decode step planned: a pause runs one step shorter."""
+        if self.paused:
+            self.paused -= 1
+
+    def _pause(self, config: SpeculationConfig) -> None:
+        self.paused = self.next_pause or config.pause_steps
+        self.next_pause = min(2 * self.paused, 16 * config.pause_steps)
+
+
+@dataclasses.dataclass
+class DraftGate(Pausing):
+    """average: accepted drafts per full-width step, an exponential average of the steps judged;
+    steps: steps judged since drafting began or last resumed; drafted: drafts judged in all."""
+
+    average: float = 0.0
+    steps: int = 0
+    drafted: int = 0
 
     def judge(self, config: SpeculationConfig, num_drafts: int, accepted: int) -> None:
         """Folds one step's outcome into the average: `num_drafts` verified (0: the heads ran and were
@@ -44,14 +59,36 @@ class DraftGate:
         if self.average < config.min_accepted and enough:
             # Paused, then tried again; a drafter that fails every time it tries waits twice as long
             # each time (every verification step costs every row of the batch the wider step).
-            self.paused = self.next_pause or config.pause_steps
-            self.next_pause = min(2 * self.paused, 16 * config.pause_steps)
+            self._pause(config)
             self.average = config.min_accepted  # a fresh start when it resumes
             self.steps = 0
         elif per_step >= config.min_accepted:
             self.next_pause = 0
 
-    def tick(self) -> None:
-        """One decode step planned for the request: a pause runs one step shorter."""
-        if self.paused:
-            self.paused -= 1
+
+@dataclasses.dataclass
+class BatchGate(Pausing):
+    """Speculation for steps over several requests, in one row bucket of the engine.
+
+    Each verification step is judged by its tokens against what a plain step would have given in its
+    time: tokens / (rows * the step's cost in plain steps, StepCosts.ratio). Each request's own gates
+    judge its drafts alone; this one judges what its drafts cost the requests beside it, each of which
+    runs the step's full width. Below 1 on average over `MIN_STEPS` steps or more, the batch decodes
+    plainly for a pause, then tries again. average: the exponential average of the steps judged since
+    speculation began or last resumed (None before the first); steps: how many."""
+
+    MIN_STEPS = 4
+
+    average: float | None = None
+    steps: int = 0
+
+    def judge(self, config: SpeculationConfig, efficiency: float) -> None:
+        self.steps += 1
+        self.average = efficiency if self.average is None else 0.7 * self.average + 0.3 * efficiency
+        if self.steps < self.MIN_STEPS:
+            return
+        if self.average < 1.0:
+            self._pause(config)
+            self.average, self.steps = None, 0
+        else:
+            self.next_pause = 0

@@ -635,7 +635,10 @@ class Scheduler:
         and the engine measured its step costs (one request's own gates judge its drafts alone)."""
         if self._step_costs is None or self.num_running < 2:
             return None
-        slots = 1 + max(slot for slot, seq in enumerate(self._slot_owner) if seq is not None)
+        return self._gate_of(1 + max(slot for slot, seq in enumerate(self._slot_owner) if seq is not None))
+
+    def _gate_of(self, slots: int) -> BatchGate:
+        """The batch gate of the row bucket that a step over the first `slots` slots runs in."""
         return self._batch_gates.setdefault(self._step_costs.rows(slots), BatchGate())
 
     def _judge_batch(self, owners: dict[int, Owner], result: StepOutput, num_drafts: dict[int, int]) -> None:
@@ -646,8 +649,7 @@ class Scheduler:
         slots = 1 + max(owners)
         cost = self._step_costs.ratio(slots, max(num_drafts.values(), default=0))
         tokens = sum(int(result.num_tokens[slot]) for slot in owners if result.valid[slot])
-        gate = self._batch_gates.setdefault(self._step_costs.rows(slots), BatchGate())
-        gate.judge(self.speculation, tokens / (len(owners) * cost))
+        self._gate_of(slots).judge(self.speculation, tokens, len(owners) * cost)
 
     def _drafts(self, seq: SequenceState, heads: bool) -> tuple[list[int], SpeculativeMethod]:
         """The tokens `seq` drafts for this step (never past max_tokens or the context) and the drafter

@@ -70,25 +70,32 @@ class DraftGate(Pausing):
 class BatchGate(Pausing):
     """Speculation for steps over several requests, in one row bucket of the engine.
 
-    Each verification step is judged by its tokens against what a plain step would have given in its
-    time: tokens / (rows * the step's cost in plain steps, StepCosts.ratio). Each request's own gates
-    judge its drafts alone; this one judges what its drafts cost the requests beside it, each of which
-    runs the step's full width. Below 1 on average over `MIN_STEPS` steps or more, the batch decodes
-    plainly for a pause, then tries again. average: the exponential average of the steps judged since
-    speculation began or last resumed (None before the first); steps: how many."""
+    Each verification step is weighed by its tokens against what plain steps would have given in its
+    time: its rows times its cost in plain steps (StepCosts.ratio). Each request's own gates judge its
+    drafts alone; this one judges what its drafts cost the requests beside it, each of which runs the
+    step's full width. Once `MIN_STEPS` steps are judged, the batch decodes plainly for a pause while
+    the steps' tokens fall short of their cost, then tries again. The two are sums over the steps since
+    speculation began or last resumed, each older step's share shrinking by DECAY: their ratio is the
+    recent steps' throughput against plain decoding's, steadier than an average of each step's ratio
+    (one step's tokens swing between one per row and the full width)."""
 
-    MIN_STEPS = 4
+    MIN_STEPS = 8
+    DECAY = 0.9
 
-    average: float | None = None
+    tokens: float = 0.0
+    cost: float = 0.0
     steps: int = 0
 
-    def judge(self, config: SpeculationConfig, efficiency: float) -> None:
+    def judge(self, config: SpeculationConfig, tokens: int, cost: float) -> None:
+        """One verification step: `tokens` over its rows, `cost` the rows a plain step would have
+        decoded in its time."""
+        self.tokens = self.DECAY * self.tokens + tokens
+        self.cost = self.DECAY * self.cost + cost
         self.steps += 1
-        self.average = efficiency if self.average is None else 0.7 * self.average + 0.3 * efficiency
         if self.steps < self.MIN_STEPS:
             return
-        if self.average < 1.0:
+        if self.tokens < self.cost:
             self._pause(config)
-            self.average, self.steps = None, 0
+            self.tokens, self.cost, self.steps = 0.0, 0.0, 0
         else:
             self.next_pause = 0

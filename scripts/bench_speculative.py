@@ -101,8 +101,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--crossover", type=int, nargs="*", default=None,
-        help="instead: code edits at these stream counts with speculation forced on (max_rows = streams), "
-        "to find where verifying drafts stops paying (SpeculationConfig.max_rows)",
+        help="instead: code edits at these stream counts with max_rows = streams, to find where verifying "
+        "drafts stops paying (SpeculationConfig.max_rows; with --no-batch-gate, the raw effect)",
     )  # fmt: skip
     ap.add_argument(
         "--min-accepted", type=float, default=None,

@@ -21,7 +21,8 @@ class SpeculationConfig:
     max_rows: speculate only while at most this many requests decode: past it a step is no longer
         bound by reading the weights, so verifying k + 1 positions per request costs about k + 1
         times a plain step and drafts stop paying. A server's default is default_max_rows(), the
-        crossover measured on its backend.
+        crossover measured on its backend. Below it, over several requests, the scheduler weighs each
+        verification step against its cost measured at warm-up (speculation.gate.BatchGate).
     min_accepted: a drafter (prompt lookup, or a request's heads) whose recent verification steps
         accept fewer drafts per step than this (an exponential average; a step of d < k drafts counts
         its accepted drafts times k / d, as a narrower verification costs less) stops drafting for that

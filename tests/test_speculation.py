@@ -505,6 +505,28 @@ def test_verification_steps_that_cost_the_batch_more_than_they_give_pause_it():
     assert all(_unsure_heads_pattern(1, cost=1.25)[0][:-1])
 
 
+def test_the_batch_gate_weighs_the_sums_of_recent_steps():
+    """A run of losing steps inside steps that pay (a code edit's opening, then its repeated body) leaves
+    the gate open where an average of each step's ratio would have shut it; steps that keep losing shut
+    it after MIN_STEPS, and a retry that pays resets the doubling of the pause."""
+    config = SpeculationConfig(pause_steps=5)
+    gate = BatchGate()
+    for tokens in (4, 4, 4, 20, 20, 20, 20, 20, 20, 4, 20, 20):  # 4 rows, each step costing 12 plain rows
+        gate.judge(config, tokens, 12.0)
+        assert gate.is_open
+    losing = BatchGate()
+    for _ in range(BatchGate.MIN_STEPS - 1):
+        losing.judge(config, 8, 12.0)
+    assert losing.is_open
+    losing.judge(config, 8, 12.0)
+    assert (losing.paused, losing.next_pause) == (5, 10)
+    for _ in range(5):
+        losing.tick()
+    for _ in range(BatchGate.MIN_STEPS):
+        losing.judge(config, 20, 12.0)
+    assert losing.is_open and losing.next_pause == 0
+
+
 def test_step_costs_find_the_bucket_of_a_step():
     costs = StepCosts({1: 2.0, 4: 3.0}, {(1, 0): 2.2, (1, 2): 3.0, (1, 4): 4.0, (4, 2): 4.5, (4, 4): 6.0})
     assert costs.rows(1) == 1 and costs.rows(2) == costs.rows(4) == 4

@@ -1,9 +1,10 @@
-"""The adaptive switch of one drafter for one request: drafts that keep failing pause that drafter.
+"""The adaptive switches of speculation: one per drafter and request, one per row bucket of a batch.
 
 A request that speculates with the draft heads keeps one gate for prompt lookup and one for the heads:
 the two fail on different text (lookup where the answer does not repeat its context, the heads where it
-is hard to guess), and a pause of one must leave the other drafting. Pure Python; the scheduler owns
-the gates of its requests.
+is hard to guess), and a pause of one must leave the other drafting. Over several requests, a batch
+gate weighs what verification steps give the whole batch against what they cost it (step_costs.py).
+Pure Python; the scheduler owns the gates.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ A step that verifies drafts pays for every row of its batch: each runs the step'
 whether or not its own drafts were any good. How much more than a plain step that costs depends on the
 backend, the model and the row count (a CPU's multipliers stay idle at one row and fill up with
 several), so the engine measures it once its programs are compiled (JaxEngine.warmup) and the scheduler
-weighs each verification step's tokens against it (speculation.gate.BatchGate).
+weighs each verification step's tokens against it (speculation.gate.BatchGate). Warm-up steps list no
+row (they must change nothing), so what runs only for listed rows is left out: the draft heads and
+attention's reads of the cache. The ratios understate a real step's cost a little, and the gate errs
+towards speculating.
 """
 
 from __future__ import annotations

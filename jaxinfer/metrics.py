@@ -83,6 +83,11 @@ _COUNTS = {
         "spec_decode_verify_steps",
         "Request-steps that verified drafts; accepted / verify steps is the mean accepted length per step.",
     ),
+    "spec_batch_plain_steps": (
+        "spec_decode_batch_plain_steps",
+        "Decode steps of several requests kept plain: their recent verification steps cost the batch more "
+        "than they gave.",
+    ),
 }
 
 
@@ -188,6 +193,7 @@ class ServingMetrics:
         spec_draft_tokens: int = 0,
         spec_accepted_tokens: int = 0,
         spec_verify_steps: int = 0,
+        spec_batch_plain_steps: int = 0,
     ) -> None:
         """Gauges as they are now, and the scheduler's running totals (counters)."""
         gauges = {
@@ -205,6 +211,7 @@ class ServingMetrics:
             "spec_draft_tokens": float(spec_draft_tokens),
             "spec_accepted_tokens": float(spec_accepted_tokens),
             "spec_verify_steps": float(spec_verify_steps),
+            "spec_batch_plain_steps": float(spec_batch_plain_steps),
         }
         with self._lock:
             grown = {name: value - self._state[name] for name, value in totals.items()}

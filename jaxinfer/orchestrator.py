@@ -429,6 +429,7 @@ class Orchestrator:
             spec_draft_tokens=s.num_draft_tokens,
             spec_accepted_tokens=s.num_accepted_tokens,
             spec_verify_steps=s.num_verify_rows,
+            spec_batch_plain_steps=s.num_batch_plain_steps,
         )
 
     def _run_stream_loop(self) -> None:

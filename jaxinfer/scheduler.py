@@ -327,6 +327,7 @@ class Scheduler:
         self.num_draft_tokens = 0  # drafts verified
         self.num_accepted_tokens = 0  # of which accepted
         self.num_verify_rows = 0  # (step, request) pairs that verified drafts
+        self.num_batch_plain_steps = 0  # decode steps the batch gate kept plain
 
     # ---- queries -----------------------------------------------------------------------------------
 
@@ -791,6 +792,7 @@ class Scheduler:
         batch = None
         if decode_owners:
             if (gate := self._batch_gate()) is not None:
+                self.num_batch_plain_steps += not gate.is_open
                 gate.tick()  # one decode step planned: a pause runs one step shorter
             masks = None
             if constrained:

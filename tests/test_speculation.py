@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
+from jaxinfer import generate as generate_module
 from jaxinfer.config import KernelConfig
 from jaxinfer.cpu_kernels import decode_attention_available
 from jaxinfer.generate import generate
@@ -18,6 +19,7 @@ from jaxinfer.jax_engine import JaxEngine
 from jaxinfer.models.params import random_params
 from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
+from jaxinfer.scheduler import Scheduler
 from jaxinfer.speculation.config import (
     SpeculationConfig,
     default_max_rows,
@@ -472,10 +474,17 @@ def test_speculation_stops_when_more_requests_decode_than_max_rows():
     assert all(len(listed) <= 2 for listed in verified)  # and only while at most two decoded
 
 
-def _unsure_heads_pattern(slots: int, cost: float, pause_steps: int = 5) -> tuple[list[bool], list]:
+def _unsure_heads_pattern(slots: int, cost: float, pause_steps: int = 5) -> list[bool]:
     """`slots` requests with heads sure of nothing (each step that runs them costs `cost` plain steps
     and gives one token per row), per-request gates that never pause: whether the heads ran in each
-    decode step, and the results."""
+    decode step. The scheduler counts the steps its batch gate kept plain."""
+    schedulers = []
+
+    class Counted(Scheduler):
+        def __init__(self, **fields):
+            super().__init__(**fields)
+            schedulers.append(self)
+
     tok = FakeTokenizer()
     engine = MockEngine(num_slots=4, max_seq_len=200, vocab_size=tok.vocab_size, max_draft_tokens=2,
                         draft_heads_depth=2, heads_unsure=True)  # fmt: skip
@@ -485,10 +494,14 @@ def _unsure_heads_pattern(slots: int, cost: float, pause_steps: int = 5) -> tupl
     sampling = [SamplingParams(seed=i, max_tokens=60, stop_token_ids=tok.eos_ids) for i in range(slots)]
     prompts = [[3 + 7 * i, 4 + 7 * i] for i in range(slots)]
     spec = SpeculationConfig(method="heads", num_draft_tokens=2, pause_steps=pause_steps, min_accepted=0.0)
-    results = generate(engine, tok, prompts, sampling, speculation=spec)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(generate_module, "Scheduler", Counted)
+        results = generate(engine, tok, prompts, sampling, speculation=spec)
     for prompt, s, r in zip(prompts, sampling, results):
         assert r.token_ids == engine.reference_tokens(prompt, s)
-    return [bool(heads) for heads in engine.heads_log], results
+    ran = [bool(heads) for heads in engine.heads_log]
+    assert schedulers[0].num_batch_plain_steps == ran.count(False)
+    return ran
 
 
 def test_verification_steps_that_cost_the_batch_more_than_they_give_pause_it():
@@ -496,13 +509,13 @@ def test_verification_steps_that_cost_the_batch_more_than_they_give_pause_it():
     plain steps for one token per row. After BatchGate.MIN_STEPS such steps the batch decodes plainly
     for pause_steps steps, tries again, fails again and waits twice as long. The requests' own gates
     (min_accepted 0) never pause them: it is the batch gate that judges what the steps cost."""
-    ran, _ = _unsure_heads_pattern(2, cost=1.25)
+    ran = _unsure_heads_pattern(2, cost=1.25)
     m = BatchGate.MIN_STEPS
     assert ran[: m + 5 + m + 10] == [True] * m + [False] * 5 + [True] * m + [False] * 10
     # A step costing less than the tokens it gives keeps speculation on; one request alone is judged
     # by its own gates only.
-    assert all(_unsure_heads_pattern(2, cost=0.95)[0][:-1])
-    assert all(_unsure_heads_pattern(1, cost=1.25)[0][:-1])
+    assert all(_unsure_heads_pattern(2, cost=0.95)[:-1])
+    assert all(_unsure_heads_pattern(1, cost=1.25)[:-1])
 
 
 def test_the_batch_gate_weighs_the_sums_of_recent_steps():

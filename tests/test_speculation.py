@@ -507,11 +507,12 @@ def _unsure_heads_pattern(slots: int, cost: float, pause_steps: int = 5) -> list
 def test_verification_steps_that_cost_the_batch_more_than_they_give_pause_it():
     """Two requests whose heads draft nothing: each verification step (the heads proposing) costs 1.25
     plain steps for one token per row. After BatchGate.MIN_STEPS such steps the batch decodes plainly
-    for pause_steps steps, tries again, fails again and waits twice as long. The requests' own gates
+    for pause_steps steps, tries again for half as many steps, fails again and waits twice as long. The
+    requests' own gates
     (min_accepted 0) never pause them: it is the batch gate that judges what the steps cost."""
     ran = _unsure_heads_pattern(2, cost=1.25)
     m = BatchGate.MIN_STEPS
-    assert ran[: m + 5 + m + 10] == [True] * m + [False] * 5 + [True] * m + [False] * 10
+    assert ran[: m + 5 + m // 2 + 10] == [True] * m + [False] * 5 + [True] * (m // 2) + [False] * 10
     # A step costing less than the tokens it gives keeps speculation on; one request alone is judged
     # by its own gates only.
     assert all(_unsure_heads_pattern(2, cost=0.95)[:-1])
@@ -535,7 +536,7 @@ def test_the_batch_gate_weighs_the_sums_of_recent_steps():
     assert (losing.paused, losing.next_pause) == (5, 10)
     for _ in range(5):
         losing.tick()
-    for _ in range(BatchGate.MIN_STEPS):
+    for _ in range(BatchGate.MIN_STEPS // 2):  # a retry is judged after half as many steps
         losing.judge(config, 20, 12.0)
     assert losing.is_open and losing.next_pause == 0
 

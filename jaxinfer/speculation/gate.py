@@ -74,11 +74,12 @@ class BatchGate(Pausing):
     Each verification step is weighed by its tokens against what plain steps would have given in its
     time: its rows times its cost in plain steps (StepCosts.ratio). Each request's own gates judge its
     drafts alone; this one judges what its drafts cost the requests beside it, each of which runs the
-    step's full width. Once `MIN_STEPS` steps are judged, the batch decodes plainly for a pause while
-    the steps' tokens fall short of their cost, then tries again. The two are sums over the steps since
-    speculation began or last resumed, each older step's share shrinking by DECAY: their ratio is the
-    recent steps' throughput against plain decoding's, steadier than an average of each step's ratio
-    (one step's tokens swing between one per row and the full width)."""
+    step's full width. Once `MIN_STEPS` steps are judged (half as many on a retry after a failure), the
+    batch decodes plainly for a pause while the steps' tokens fall short of their cost, then tries
+    again. The two are sums over the steps since speculation began or last resumed, each older step's
+    share shrinking by DECAY: their ratio is the recent steps' throughput against plain decoding's,
+    steadier than an average of each step's ratio (one step's tokens swing between one per row and
+    the full width)."""
 
     MIN_STEPS = 8
     DECAY = 0.9
@@ -93,7 +94,8 @@ class BatchGate(Pausing):
         self.tokens = self.DECAY * self.tokens + tokens
         self.cost = self.DECAY * self.cost + cost
         self.steps += 1
-        if self.steps < self.MIN_STEPS:
+        # A retry after a failure needs half the evidence: the batch has lost here before.
+        if self.steps < (self.MIN_STEPS // 2 if self.next_pause else self.MIN_STEPS):
             return
         if self.tokens < self.cost:
             self._pause(config)

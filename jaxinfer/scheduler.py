@@ -633,14 +633,16 @@ class Scheduler:
 
     def _batch_gate(self) -> BatchGate | None:
         """The gate of the row bucket the running requests' slots decode in, where several requests run
-        and the engine measured its step costs (one request's own gates judge its drafts alone)."""
+        and the engine measured that bucket's step costs (one request's own gates judge its drafts
+        alone)."""
         if self._step_costs is None or self.num_running < 2:
             return None
         return self._gate_of(1 + max(slot for slot, seq in enumerate(self._slot_owner) if seq is not None))
 
-    def _gate_of(self, slots: int) -> BatchGate:
-        """The batch gate of the row bucket that a step over the first `slots` slots runs in."""
-        return self._batch_gates.setdefault(self._step_costs.rows(slots), BatchGate())
+    def _gate_of(self, slots: int) -> BatchGate | None:
+        """The batch gate of the row bucket that a step over the first `slots` slots runs in, if measured."""
+        rows = self._step_costs.rows(slots)
+        return None if rows is None else self._batch_gates.setdefault(rows, BatchGate())
 
     def _judge_batch(self, owners: dict[int, Owner], result: StepOutput, num_drafts: dict[int, int]) -> None:
         """Folds a verification step over several requests into its row bucket's gate: its tokens
@@ -649,6 +651,8 @@ class Scheduler:
             return
         slots = 1 + max(owners)
         cost = self._step_costs.ratio(slots, max(num_drafts.values(), default=0))
+        if cost is None:  # a step the engine's warm-up did not measure
+            return
         tokens = sum(int(result.num_tokens[slot]) for slot in owners if result.valid[slot])
         self._gate_of(slots).judge(self.speculation, tokens, len(owners) * cost)
 

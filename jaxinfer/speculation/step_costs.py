@@ -35,21 +35,18 @@ class StepCosts:
         if any(seconds <= 0 for seconds in (*self.plain.values(), *self.verify.values())):
             raise ValueError("step costs must be positive")
 
-    def rows(self, slots: int) -> int:
-        """The measured row bucket a step over the first `slots` slots runs in."""
-        rows = min((r for r in self.plain if r >= slots), default=None)
-        if rows is None:
-            raise ValueError(f"no measured row bucket holds {slots} slots: {sorted(self.plain)}")
-        return rows
+    def rows(self, slots: int) -> int | None:
+        """The measured row bucket a step over the first `slots` slots runs in; None where none holds
+        them (a warm-up for one job measures the buckets that job needs)."""
+        return min((r for r in self.plain if r >= slots), default=None)
 
-    def ratio(self, slots: int, width: int) -> float:
+    def ratio(self, slots: int, width: int) -> float | None:
         """The cost of a step over the first `slots` slots verifying up to `width` drafts per row, in
-        plain steps over the same slots: the smallest measured width bucket holding them."""
+        plain steps over the same slots: the smallest measured row and width buckets holding them;
+        None where none does."""
         rows = self.rows(slots)
         widths = [w for r, w in self.verify if r == rows and w >= width]
-        if not widths:
-            raise ValueError(f"no {rows}-row step measured verifying {width} drafts: {sorted(self.verify)}")
-        return self.verify[rows, min(widths)] / self.plain[rows]
+        return self.verify[rows, min(widths)] / self.plain[rows] if widths else None
 
     def summary(self) -> str:
         """One line: each row bucket's plain step in ms and its verification steps in plain steps."""

@@ -849,8 +849,9 @@ class JaxEngine(api.Engine):
     ) -> StepCosts:
         """Times the warmed-up programs of each row bucket that verifies, in the smallest page bucket
         compiled for it, with no row listed (they change nothing): `calls` plain steps sent one after
-        another as the serving loop sends them, and `calls` verification steps per width, each read
-        before the next goes out. Medians, against the noise of a shared machine."""
+        another as the serving loop sends them (the faster of two rounds), and `calls` verification
+        steps per width, each read before the next goes out (their median): against the noise of a
+        shared machine."""
         plain, verified = {}, {}
         for rows in sorted({r for _, r, _ in verify}):
             pages = min(p for p, r in decode if r == rows)

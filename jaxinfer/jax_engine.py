@@ -830,11 +830,7 @@ class JaxEngine(api.Engine):
             self._prefill_chunk(*self._prefill_args(t, pages))
             budget.check(done)
         for done, (pages, rows, width) in enumerate(steps, len(prefill) + 1):
-            drafts = None if width is None else np.full((rows, width), -1, np.int32)
-            self._decode_step(
-                np.full(rows, -1, np.int32), drafts, np.zeros((rows, pages), np.int32),
-                self._mask_rows(None, rows),
-            )  # fmt: skip
+            self._idle_step(pages, rows, width)
             budget.check(done)
         jax.block_until_ready(self.state)
         if self._program_cache is not None:
@@ -855,25 +851,29 @@ class JaxEngine(api.Engine):
         plain, verified = {}, {}
         for rows in sorted({r for _, r, _ in verify}):
             pages = min(p for p, r in decode if r == rows)
-            args = np.full(rows, -1, np.int32), None, np.zeros((rows, pages), np.int32)
-            mask = self._mask_rows(None, rows)
             times = []
             for _ in range(2):  # two rounds of back-to-back steps
                 begin = time.perf_counter()
-                steps = [self._decode_step(*args, mask) for _ in range(calls)]
+                steps = [self._idle_step(pages, rows, None) for _ in range(calls)]
                 np.asarray(steps[-1])
                 times.append((time.perf_counter() - begin) / calls)
             plain[rows] = min(times)
             for width in sorted({w for _, r, w in verify if r == rows}):
                 pages = min(p for p, r, w in verify if (r, w) == (rows, width))
-                drafts, page_table = np.full((rows, width), -1, np.int32), np.zeros((rows, pages), np.int32)
                 times = []
                 for _ in range(calls):
                     begin = time.perf_counter()
-                    np.asarray(self._decode_step(args[0], drafts, page_table, mask))
+                    np.asarray(self._idle_step(pages, rows, width))
                     times.append(time.perf_counter() - begin)
                 verified[rows, width] = float(np.median(times))
         return StepCosts(plain, verified)
+
+    def _idle_step(self, pages: int, rows: int, width: int | None) -> jax.Array:
+        """A decode (width None) or verification step of the (pages, rows, width) bucket that lists no
+        row: it runs the bucket's program and changes nothing (warm-up)."""
+        drafts = None if width is None else np.full((rows, width), -1, np.int32)
+        unlisted, page_table = np.full(rows, -1, np.int32), np.zeros((rows, pages), np.int32)
+        return self._decode_step(unlisted, drafts, page_table, self._mask_rows(None, rows))
 
 
 # What a sampler reads of the weights: the output layer (embed when tied) and, for draft heads, the

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
-from jaxinfer.speculation.config import SpeculationConfig, min_probabilities, server_config
+from jaxinfer.speculation.config import DEFAULT_DRAFT_MIN_PROBABILITY, min_probabilities, server_config
 
 # quantization.QUANTIZATION_MODES, spelled out so that `jaxinfer --help` does not import jax
 QUANTIZATION_MODES = ("none", "int8", "int4")
@@ -113,9 +113,11 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     )  # fmt: skip
     p.add_argument("--draft-heads", default=None, help="draft heads folder (scripts/train_draft_heads.py)")
     p.add_argument(
-        "--draft-min-probability", type=min_probabilities, default=SpeculationConfig.draft_min_probability,
+        "--draft-min-probability", type=min_probabilities, default=None,
         help="draft heads draft while their guess is at least this likely: one value, or one per depth "
-        "(comma-separated; the last holds for deeper drafts); default %(default)s",
+        "(comma-separated; the last holds for deeper drafts); default: chosen at warm-up from the heads' "
+        "held-out drafts and this machine's step costs, else "
+        + ",".join(map(str, DEFAULT_DRAFT_MIN_PROBABILITY)),
     )  # fmt: skip
 
 

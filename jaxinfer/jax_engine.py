@@ -54,9 +54,10 @@ from jaxinfer.program_cache import ProgramCache, serves
 from jaxinfer.request import MAX_TOP_LOGPROBS, SamplingParams
 from jaxinfer.sampling import SlotSampling, sample, split_seed, token_logprobs, verify_drafts
 from jaxinfer.sharding import DATA, make_mesh, shard_params, slot_spec
-from jaxinfer.speculation.config import min_probabilities
-from jaxinfer.speculation.draft_heads import DraftHeads, for_serving, propose
+from jaxinfer.speculation.config import DEFAULT_DRAFT_MIN_PROBABILITY, depth_threshold, min_probabilities
+from jaxinfer.speculation.draft_heads import DraftHeads, ServedHeads, for_serving, propose
 from jaxinfer.speculation.step_costs import StepCosts
+from jaxinfer.speculation.thresholds import HeldOutDrafts, best_thresholds
 from jaxinfer.structured_output import ALLOW_ALL, allow_all, mask_words
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,15 @@ def _step_logprobs(logits, tokens, settings, t: int):
     return chosen.reshape(n, t), vals.reshape(n, t, -1), ids.reshape(n, t, -1)
 
 
-def _propose(heads, params, config, kernels, hidden, token, min_probability, drafting=None):
+def _propose(served, params, config, kernels, hidden, token, drafting=None):
     """The heads' drafts after `token` [n] from hidden [n, hidden_size] for the `drafting` rows [n]
     (default: all); None without heads."""
-    if heads is None:
+    if served is None:
         return None
-    return propose(heads, params, config, hidden, token, heads.depth, kernels, min_probability, drafting)
+    heads = served.heads
+    return propose(
+        heads, params, config, hidden, token, heads.depth, kernels, served.min_probability, drafting
+    )
 
 
 def _prefill_forward(
@@ -161,7 +165,7 @@ def _prefill_forward(
 def _prefill_sample(
     params: Params,
     state: DecodeState,
-    heads: DraftHeads | None,
+    heads: ServedHeads | None,
     hidden: jax.Array,  # [1, hidden]: the chunk's last token (_prefill_forward)
     chunk: jax.Array,  # int32 [6]: slot, start, true_len, is_last, num_generated, drafting
     counts_row: jax.Array,  # [1, vocab] int32: the tokens the request has seen (read when is_last)
@@ -173,7 +177,6 @@ def _prefill_sample(
     config: ModelConfig,
     kernels: KernelConfig,
     max_len: int,
-    min_probability: tuple[float, ...],
 ) -> tuple[DecodeState, jax.Array]:
     """Samples a chunk's next token and sets up its slot: the one prefill program of every bucket."""
     slot, start, true_len = chunk[0], chunk[1], chunk[2]
@@ -202,7 +205,7 @@ def _prefill_sample(
         counts=put(state.counts, counts_row[0].at[token[0]].add(1)),
     )
     num_slots = state.tokens.shape[0]
-    drafts = _propose(heads, params, config, kernels, hidden, token, min_probability, drafting[None])
+    drafts = _propose(heads, params, config, kernels, hidden, token, drafting[None])
     row = _pack(token[:, None], is_last.astype(jnp.int32)[None], done, reason, logprobs, drafts)
     out = jnp.zeros((num_slots, row.shape[1]), jnp.int32).at[slot].set(row[0])
     return state, out
@@ -253,7 +256,7 @@ def _step_forward(
 def _step(
     params: Params,
     state: DecodeState,
-    heads: DraftHeads | None,
+    heads: ServedHeads | None,
     positions: jax.Array,  # [R] int32: each row's input position, -1 for rows left out
     drafts: jax.Array,  # [R, k] int32: drafts after each row's input token, -1 past its drafts
     page_table: jax.Array,  # [R, N] int32, covering every draft's position
@@ -263,7 +266,6 @@ def _step(
     config: ModelConfig,
     kernels: KernelConfig,
     max_len: int,
-    min_probability: tuple[float, ...],
 ) -> tuple[DecodeState, jax.Array]:
     """A decode (k = 0) or verification step as one program: _step_forward, then _step_sample.
 
@@ -277,14 +279,14 @@ def _step(
     )
     return _step_sample(
         params, state, heads, hidden, positions, drafts, mask, drafting, config=config,
-        kernels=kernels, max_len=max_len, min_probability=min_probability,
+        kernels=kernels, max_len=max_len,
     )  # fmt: skip
 
 
 def _step_sample(
     params: Params,
     state: DecodeState,
-    heads: DraftHeads | None,
+    heads: ServedHeads | None,
     hidden: jax.Array,  # [R, k + 1, hidden] (_step_forward)
     positions: jax.Array,  # [R] int32
     drafts: jax.Array,  # [R, k] int32
@@ -294,7 +296,6 @@ def _step_sample(
     config: ModelConfig,
     kernels: KernelConfig,
     max_len: int,
-    min_probability: tuple[float, ...],
 ) -> tuple[DecodeState, jax.Array]:
     """The sampling half of a step: sampling.verify_drafts keeps the drafts the target agrees with,
     and each row outputs those plus the target's next token (1 to k + 1 tokens; one with no drafts).
@@ -334,9 +335,7 @@ def _step_sample(
     logprobs = _step_logprobs(logits.reshape(n * t, -1), tokens, sampling, t)
     if drafting is not None:  # rows that go on: a finished request drafts nothing
         drafting = drafting & active & ~done
-    next_drafts = _propose(
-        heads, params, config, kernels, hidden[rows, last], last_token, min_probability, drafting
-    )
+    next_drafts = _propose(heads, params, config, kernels, hidden[rows, last], last_token, drafting)
     packed = _pack(tokens, num_tokens, done, reason, logprobs, next_drafts)
     return state, _all_slots(packed, num_slots)
 
@@ -400,13 +399,16 @@ class JaxEngine(api.Engine):
         kernels: KernelConfig | None = None,
         num_draft_tokens: int = 0,
         draft_heads: DraftHeads | None = None,
-        draft_min_probability: float | Sequence[float] = 0.0,
+        draft_min_probability: float | Sequence[float] | None = 0.0,
+        held_out_drafts: HeldOutDrafts | None = None,
         program_cache_dir: str | Path | None = None,
     ):
         """num_draft_tokens: most drafts a decode step verifies per row (0: no speculation);
         draft_heads: heads that propose drafts in every prefill and verification step (replicated);
         draft_min_probability: the heads draft while their guess is at least this likely, a threshold
-        per depth (propose); program_cache_dir: compiled programs kept there and loaded without tracing
+        per depth (propose); None: chosen by warmup() from the heads' `held_out_drafts` and the step
+        costs it measures (speculation.thresholds), DEFAULT_DRAFT_MIN_PROBABILITY until then or where
+        either is missing; program_cache_dir: compiled programs kept there and loaded without tracing
         (program_cache; one device in one process)."""
         self.mesh = mesh or make_mesh()
         self.kernels = kernels or KernelConfig.for_backend(
@@ -447,7 +449,13 @@ class JaxEngine(api.Engine):
                 f"draft heads of hidden size {draft_heads.hidden_size}, not {config.hidden_size}"
             )
         self._num_draft_tokens = num_draft_tokens
-        self._draft_min_probability = min_probabilities(draft_min_probability)
+        # Every process of a multi-host engine must draft alike, and each would measure its own costs.
+        choose = draft_min_probability is None and jax.process_count() == 1
+        self._held_out_drafts = held_out_drafts if choose and draft_heads is not None else None
+        if self._held_out_drafts is not None and self._held_out_drafts.depth != draft_heads.depth:
+            log.warning("held-out drafts %d deep for heads %d deep: draft thresholds stay the default",
+                        self._held_out_drafts.depth, draft_heads.depth)  # fmt: skip
+            self._held_out_drafts = None
         # Verification widths (drafts per row): a step verifies the narrowest that holds its longest row
         # of drafts, since each position costs every row of the step: every width up to 4, powers of two
         # past it (on CPU three drafts cost ~12% more at width 4 than at width 3, every step; the extra
@@ -458,9 +466,15 @@ class JaxEngine(api.Engine):
             widths = {*range(1, min(num_draft_tokens, 4) + 1), *power_of_two_buckets(1, num_draft_tokens)}
             self._verify_widths = ((0,) if draft_heads is not None else ()) + tuple(sorted(widths))
         replicated = NamedSharding(self.mesh, P())
+        self._drafter: ServedHeads | None = None
+        self.draft_min_probability: tuple[float, ...] = ()  # per depth, as the heads draft now
         if draft_heads is not None:
-            draft_heads = jax.device_put(for_serving(draft_heads, self.kernels), replicated)
-        self.heads = draft_heads
+            self._drafter = ServedHeads(
+                jax.device_put(for_serving(draft_heads, self.kernels), replicated), jnp.zeros(0)
+            )
+            self.set_draft_min_probability(
+                DEFAULT_DRAFT_MIN_PROBABILITY if draft_min_probability is None else draft_min_probability
+            )
         self.state = self._init_state()
         self._programs: dict[tuple, object] = {}
         self._allow_all: dict[int, jax.Array] = {}
@@ -471,7 +485,7 @@ class JaxEngine(api.Engine):
         self._program_cache = None
         if program_cache_dir and serves(self.mesh):
             devices = list(self.mesh.devices.flat)
-            static = (config, self.kernels, cache_config, self._draft_min_probability, self.mesh)
+            static = (config, self.kernels, cache_config, self.mesh)
             context = repr((*static, [d.id for d in devices]))
             self._program_cache = ProgramCache(program_cache_dir, context, devices)
             register_chosen_kernels()
@@ -503,7 +517,18 @@ class JaxEngine(api.Engine):
 
     @property
     def draft_heads_depth(self) -> int:
-        return 0 if self.heads is None else self.heads.depth
+        return 0 if self._drafter is None else self._drafter.heads.depth
+
+    def set_draft_min_probability(self, min_probability: float | Sequence[float]) -> None:
+        """The probability each depth's draft needs under its head from now on (propose; the last value
+        for every deeper draft). Takes effect without compiling: the programs read it as an argument."""
+        if self._drafter is None:
+            raise ValueError("this engine has no draft heads")
+        given = min_probabilities(min_probability)
+        values = tuple(depth_threshold(given, i) for i in range(self.draft_heads_depth))
+        array = jax.device_put(np.asarray(values, np.float32), NamedSharding(self.mesh, P()))
+        self._drafter = dataclasses.replace(self._drafter, min_probability=array)
+        self.draft_min_probability = values
 
     # -- State and programs ------------------------------------------------------------------------
     def _init_state(self) -> DecodeState:
@@ -566,7 +591,7 @@ class JaxEngine(api.Engine):
         # sampler's packed rows go to the host, so every device holds them.
         out = NamedSharding(self.mesh, P()) if samples else None
         if samples:
-            fn = functools.partial(fn, max_len=self.max_seq_len, min_probability=self._draft_min_probability)
+            fn = functools.partial(fn, max_len=self.max_seq_len)
         jitted = jax.jit(fn, donate_argnums=(1,), out_shardings=(self._state_shardings(), out))
         return jitted.lower(*args).compile()
 
@@ -584,7 +609,7 @@ class JaxEngine(api.Engine):
     ) -> jax.Array:
         """A chunk's two programs: the forward pass of its (T, N) bucket, then the one prefill sampler."""
         hidden = self._run(("prefill", tokens.shape[1], page_row.shape[1]), tokens, chunk, page_row)
-        return self._run(("prefill_sample",), self.heads, hidden, chunk, *sample_args)
+        return self._run(("prefill_sample",), self._drafter, hidden, chunk, *sample_args)
 
     def _decode_step(
         self,
@@ -601,11 +626,11 @@ class JaxEngine(api.Engine):
             return self._run(("decode", pages, rows), None, positions, np.zeros((rows, 0), np.int32),
                              page_table, mask)  # fmt: skip
         key = ("verify", pages, rows, drafts.shape[1])
-        if self.heads is None:
+        if self._drafter is None:
             return self._run(key, None, positions, drafts, page_table, mask)
         if drafting is None:
             drafting = positions >= 0
-        return self._run(key, self.heads, positions, drafts, page_table, mask, drafting)
+        return self._run(key, self._drafter, positions, drafts, page_table, mask, drafting)
 
     def _mask_rows(self, masks: np.ndarray | None, rows: int) -> jax.Array | np.ndarray:
         """Token masks [rows, words] in the model's vocabulary width: tokens a shorter tokenizer
@@ -742,7 +767,7 @@ class JaxEngine(api.Engine):
             counts = np.sum(np.cumprod(given >= 0, axis=1), axis=1)  # each row's drafts: up to its first -1
             longest = int(np.max(counts, initial=0))
             wanted = batch.drafting is None or bool(np.any(batch.drafting[:rows]))
-            proposing = self.heads is not None and wanted
+            proposing = self._drafter is not None and wanted
             if longest or proposing:  # no drafts and nothing for the heads to propose: a plain step
                 drafts = np.full((rows, self._bucket(self._verify_widths, longest)), -1, np.int32)
                 drafts[:, :longest] = given[:, :longest]
@@ -838,7 +863,21 @@ class JaxEngine(api.Engine):
         self._warm = prompt_lengths is None
         if verify:
             self.step_costs = self._measure_step_costs(decode, verify)
+            if self._held_out_drafts is not None:
+                self._choose_draft_thresholds()
         return time.perf_counter() - start
+
+    def _choose_draft_thresholds(self) -> None:
+        """The thresholds under which the heads' held-out drafts yield the most tokens per unit of the
+        one-row step costs just measured (speculation.thresholds): a request decoding alone is where
+        drafts pay most, and over several the batch gate weighs what they cost."""
+        costs = [self.step_costs.ratio(1, n) for n in range(self.draft_heads_depth + 1)]
+        if None in costs:
+            return
+        chosen, speed = best_thresholds(self._held_out_drafts, costs)
+        self.set_draft_min_probability(chosen)
+        log.info("draft thresholds %s: %.3f modeled tokens per plain step's cost at one row (step costs %s)",
+                 chosen, speed, " ".join(f"{c:.2f}" for c in costs))  # fmt: skip
 
     def _measure_step_costs(
         self, decode: set[tuple[int, int]], verify: set[tuple[int, int, int]], calls: int = 4

@@ -7,7 +7,7 @@ a program by what decides it before tracing and keeps its serialized executable:
 
 - the environment: this package's source files, the jax and jaxlib versions, JAX's configuration, the
   XLA / JAX / JAXINFER environment variables, the CPU's features and the devices;
-- the engine's static description (model and kernel configuration, cache shape, thresholds, mesh);
+- the engine's static description (model and kernel configuration, cache shape, mesh);
 - the program's bucket key and its arguments' tree, shapes, dtypes and shardings.
 
 Any difference is a miss, and a miss compiles. On XLA:CPU an executable that JAX's persistent cache

@@ -43,6 +43,7 @@ from jaxinfer.request import ModelDefaults
 from jaxinfer.sharding import TENSOR, make_mesh, param_placement
 from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod
 from jaxinfer.speculation.draft_heads import HEADS_FILE, DraftHeads, load_heads
+from jaxinfer.speculation.thresholds import HeldOutDrafts
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -282,9 +283,11 @@ def default_heads_dir(model: str) -> Path:
     return DEFAULT_DRAFT_HEADS / re.sub(r"[^A-Za-z0-9._-]+", "_", model).strip("_")
 
 
-def _draft_heads(options: RuntimeOptions, config: ModelConfig) -> DraftHeads | None:
-    """The draft heads of --draft-heads, else of the model's default folder when it exists; required
-    when the server speculates with heads."""
+def _draft_heads(
+    options: RuntimeOptions, config: ModelConfig
+) -> tuple[DraftHeads | None, HeldOutDrafts | None]:
+    """The draft heads of --draft-heads, else of the model's default folder when it exists (required
+    when the server speculates with heads), and their held-out drafts where training kept them."""
     path = Path(options.draft_heads or default_heads_dir(str(options.model)))
     if not (path / HEADS_FILE).is_file():
         if options.speculation.method is SpeculativeMethod.HEADS:
@@ -292,10 +295,10 @@ def _draft_heads(options: RuntimeOptions, config: ModelConfig) -> DraftHeads | N
                 f"--speculative heads needs draft heads: none in {path} (train them with "
                 "scripts/train_draft_heads.py, or pass --draft-heads)"
             )
-        return None
+        return None, None
     heads, _ = load_heads(path, config)
     log.info("draft heads from %s: %d deep, %d-token vocabulary", path, heads.depth, heads.vocab.shape[0])
-    return heads
+    return heads, HeldOutDrafts.load(path)
 
 
 def enable_compilation_cache(directory: str | None) -> None:
@@ -414,6 +417,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
     min_rows = native_attention_min_rows(loaded.params["layers"], kernels)
     kernels = dataclasses.replace(kernels, native_attention_min_rows=min_rows)
     spec = options.speculation
+    heads, held_out = _draft_heads(options, loaded.config) if spec is not None else (None, None)
     engine = JaxEngine(
         loaded.params,
         loaded.config,
@@ -422,8 +426,9 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         max_prefill_chunk=options.max_prefill_chunk,
         kernels=kernels,
         num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
-        draft_heads=_draft_heads(options, loaded.config) if spec is not None else None,
+        draft_heads=heads,
         draft_min_probability=spec.draft_min_probability if spec is not None else 0.0,
+        held_out_drafts=held_out,
         program_cache_dir=programs,
     )
     seconds = time.perf_counter() - start

@@ -38,7 +38,6 @@ from jaxinfer.generate import generate  # noqa: E402
 from jaxinfer.request import SamplingParams, with_eos  # noqa: E402
 from jaxinfer.runtime import RuntimeOptions, build_runtime  # noqa: E402
 from jaxinfer.speculation.config import (  # noqa: E402
-    SpeculationConfig,
     SpeculativeMethod,
     min_probabilities,
     server_config,
@@ -96,8 +95,9 @@ def main() -> None:
     )
     ap.add_argument("--draft-heads", default=None)
     ap.add_argument(
-        "--draft-min-probability", type=min_probabilities, default=SpeculationConfig.draft_min_probability,
-        help="heads draft while their guess is at least this likely (per depth, comma-separated)",
+        "--draft-min-probability", type=min_probabilities, default=None,
+        help="heads draft while their guess is at least this likely (per depth, comma-separated); default: "
+        "chosen at warm-up (speculation/thresholds.py)",
     )  # fmt: skip
     ap.add_argument(
         "--crossover", type=int, nargs="*", default=None,
@@ -132,6 +132,8 @@ def main() -> None:
     )
     if runtime.engine.step_costs is not None:
         print(f"step costs (verification in plain steps): {runtime.engine.step_costs.summary()}")
+    if runtime.engine.draft_heads_depth:
+        print(f"draft thresholds per depth: {runtime.engine.draft_min_probability}")
     if args.no_batch_gate:
         runtime.engine.step_costs = None  # what the scheduler's batch gate weighs verification with
     tok = runtime.tokenizer

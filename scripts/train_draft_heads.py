@@ -16,7 +16,9 @@
 4. fits the heads (speculation/training.py; prompts held out whole), by default distilled on the
    target's distribution over those choices (held out, they accept more drafts than heads fitted to the
    greedy choices alone), and saves those of the best held-out checkpoint with their metrics to --out
-   (default $JAXINFER_CACHE_DIR/draft_heads/<model>, ~/.cache/jaxinfer/draft_heads/<model> without it).
+   (default $JAXINFER_CACHE_DIR/draft_heads/<model>, ~/.cache/jaxinfer/draft_heads/<model> without it),
+   with a sample of their held-out drafts, from which a server picks its draft thresholds
+   (speculation/thresholds.py).
 
 Prints each phase's wall time and the held-out metrics: top-1 accuracy per depth (teacher-forced) and
 the expected drafts accepted per step under greedy verification.
@@ -210,6 +212,7 @@ def main() -> None:
         log=_log,
     )  # fmt: skip
     train_seconds = time.perf_counter() - start
+    held_out = metrics.pop("held_out_drafts")
     print(f"trained in {train_seconds:.1f}s: {metrics['examples']['train']} examples")
 
     out = args.out or default_heads_dir(str(args.model))  # where `--speculative heads` looks
@@ -226,6 +229,7 @@ def main() -> None:
         "training": {k: v for k, v in metrics.items() if k != "holdout"},
     }
     save_heads(out, heads, info)
+    held_out.save(out)  # the serving engine chooses its draft thresholds from these (thresholds.py)
     print(f"saved to {out}")
     print("held-out metrics:", json.dumps(metrics["holdout"]))
     print("train-sample metrics:", json.dumps(metrics["train"]))

@@ -17,7 +17,12 @@ from jaxinfer.models.params import random_params
 from jaxinfer.models.transformer import forward_hidden, output_logits
 from jaxinfer.quantization import quantize_params
 from jaxinfer.sharding import make_mesh
-from jaxinfer.speculation.config import SpeculationConfig, depth_threshold, min_probabilities
+from jaxinfer.speculation.config import (
+    DEFAULT_DRAFT_MIN_PROBABILITY,
+    SpeculationConfig,
+    depth_threshold,
+    min_probabilities,
+)
 from jaxinfer.speculation.draft_heads import (
     init_heads,
     load_heads,
@@ -26,6 +31,7 @@ from jaxinfer.speculation.draft_heads import (
     token_features,
     unroll_logits,
 )
+from jaxinfer.speculation.thresholds import num_drafts
 from jaxinfer.speculation.training import (
     TEACHER_TOP_K,
     draft_indexer,
@@ -98,9 +104,18 @@ def test_training_learns_a_deterministic_pattern(params):
     # Accepted drafts per step: sum over depths of the chain product, so between acc[0] and the sum.
     assert hold["accuracy"][0] - 1e-6 <= hold["accepted_per_step"] <= sum(hold["accuracy"]) + 1e-6
     sure = hold["sure"]
-    assert sure["min_probability"] == list(SpeculationConfig.draft_min_probability)
+    assert sure["min_probability"] == list(DEFAULT_DRAFT_MIN_PROBABILITY)
     assert 0 < sure["accepted_per_step"] <= sure["drafts_per_step"] <= 2
     assert sure["accepted_per_step"] <= hold["accepted_per_step"] + 1e-6
+    # The held-out drafts kept for choosing thresholds: every held-out position here (fewer than the
+    # sample's limit), with the chains and sure drafts that evaluate counts.
+    drafts = metrics["held_out_drafts"]
+    assert drafts.probability.shape == (hold["examples"], 2)
+    assert np.all((drafts.probability > 1 / 32) & (drafts.probability <= 1))
+    assert abs(np.mean(drafts.accepted) - hold["accepted_per_step"]) < 1e-4
+    cut = num_drafts(drafts, sure["min_probability"])
+    assert abs(np.mean(cut) - sure["drafts_per_step"]) < 1e-4
+    assert abs(np.mean(np.minimum(cut, drafts.accepted)) - sure["accepted_per_step"]) < 1e-4
 
 
 def test_training_learns_the_greedy_choices_of_sampled_text(params):
@@ -281,6 +296,9 @@ def test_propose_drafts_only_while_its_heads_are_sure(params):
     per_depth = np.asarray(propose(heads, params, TINY, hidden, token, 3, min_probability=(low, high)))
     kept = np.cumprod(top >= np.array([low, high, high]), axis=1).astype(bool)
     np.testing.assert_array_equal(per_depth, np.where(kept, every, -1))
+    # The same thresholds as an array, as the engine's programs take them (an argument, not a constant).
+    as_array = propose(heads, params, TINY, hidden, token, 3, min_probability=jnp.asarray([low, high, high]))
+    np.testing.assert_array_equal(np.asarray(as_array), per_depth)
     assert len(set(kept.sum(axis=1).tolist())) >= 3
 
 

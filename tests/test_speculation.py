@@ -21,6 +21,7 @@ from jaxinfer.request import RequestError, SamplingParams
 from jaxinfer.sampling import SlotSampling, filtered_probability, verify_drafts
 from jaxinfer.scheduler import Scheduler
 from jaxinfer.speculation.config import (
+    DEFAULT_DRAFT_MIN_PROBABILITY,
     SpeculationConfig,
     default_max_rows,
     default_min_accepted,
@@ -31,6 +32,7 @@ from jaxinfer.speculation.draft_heads import init_heads
 from jaxinfer.speculation.gate import BatchGate, DraftGate
 from jaxinfer.speculation.ngram import NgramIndex
 from jaxinfer.speculation.step_costs import StepCosts
+from jaxinfer.speculation.thresholds import HeldOutDrafts, best_thresholds
 from jaxinfer.structured_output import ALLOW_ALL, mask_words
 from jaxinfer.testing import FakeTokenizer, IdTokenizer, MockEngine, paged_cache_config
 from tests.test_engine import GEMMA, LLAMA
@@ -181,8 +183,9 @@ def _engine(
     heads: bool = False,
     slots: int = 4,
     kernels: KernelConfig | None = None,
-    draft_min_probability: float = 0.0,
+    draft_min_probability: float | None = 0.0,
     out_scale: float = 1.0,
+    held_out_drafts: HeldOutDrafts | None = None,
 ):
     params = random_params(config, seed=5)
     draft_heads = None
@@ -197,6 +200,7 @@ def _engine(
         draft_heads=draft_heads,
         kernels=kernels,
         draft_min_probability=draft_min_probability,
+        held_out_drafts=held_out_drafts,
     )
 
 
@@ -255,6 +259,50 @@ def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
     assert [c.token_ids for c in fast] == [c.token_ids for c in plain]
     assert {0, 3} < set(widths)  # unsure steps, the heads' full depth and narrower ones
     assert engine.compile_count == compiled  # every width bucket was compiled by warmup()
+
+
+def test_warm_up_chooses_the_draft_thresholds_and_changing_them_compiles_nothing():
+    """Without thresholds given, warm-up prices the heads' held-out drafts at the one-row step costs
+    it measured and drafts at the best thresholds (thresholds.best_thresholds). Thresholds are an
+    argument of the programs: setting others compiles nothing, the heads draft by them at once, and
+    greedy output stays the plain output."""
+    rng = np.random.default_rng(8)
+    probability = rng.random((500, 3)).astype(np.float32)
+    held_out = HeldOutDrafts(probability, np.sum(np.cumprod(rng.random((500, 3)) < probability, 1), 1))
+    engine = _engine(LLAMA, 3, heads=True, draft_min_probability=None, held_out_drafts=held_out)
+    assert engine.draft_min_probability == DEFAULT_DRAFT_MIN_PROBABILITY
+    engine.warmup(prompt_lengths=[12], max_new_tokens=30)
+    costs = [engine.step_costs.ratio(1, n) for n in range(4)]
+    assert engine.draft_min_probability == best_thresholds(held_out, costs)[0]
+
+    compiled = engine.compile_count
+    widths = []
+    run = engine._run
+
+    def logged(key, *args):
+        if key[0] == "verify":
+            widths.append(key[3])
+        return run(key, *args)
+
+    tok = IdTokenizer(LLAMA.vocab_size)
+    prompt = [list(rng.integers(0, LLAMA.vocab_size, 12))]
+    sampling = [SamplingParams(temperature=0, max_tokens=30)]
+    plain = generate(engine, tok, prompt, sampling)
+    engine._run = logged
+    no_lookup = dict(ngram_min=100, ngram_max=100)  # only the heads draft
+    spec = SpeculationConfig(method="heads", num_draft_tokens=3, min_accepted=0.0, **no_lookup)
+    for threshold, width in [(0.0, 3), (0.999, 0)]:  # random heads: always sure of 0, never of 0.999
+        engine.set_draft_min_probability(threshold)
+        assert engine.draft_min_probability == (threshold,) * 3
+        widths.clear()
+        (fast,) = generate(engine, tok, prompt, sampling, speculation=spec)
+        assert fast.token_ids == plain[0].token_ids
+        assert len(widths) > 10 and set(widths[:-2]) == {width}  # the last steps: fewer tokens left
+    assert engine.compile_count == compiled
+    with pytest.raises(ValueError):
+        engine.set_draft_min_probability(1.5)
+    with pytest.raises(ValueError, match="no draft heads"):
+        _engine(LLAMA, 3).set_draft_min_probability(0.5)
 
 
 def test_heads_run_only_for_the_requests_that_draft_with_them():

@@ -37,10 +37,10 @@ class SpeculationConfig:
     draft_min_probability: draft heads draft while their guess is at least this likely under them
         (draft_heads.propose), one threshold per depth (the last for every deeper draft): on CPU a
         verified position costs more the more positions a step verifies (a first draft ~8% of a step,
-        a second ~20%), so a first draft pays at lower odds than a deeper one. Heads distilled on the
-        target's distribution (training.py) are less sure than their hit rate, so the thresholds sit
-        below the odds a draft needs: the best of a grid under the measured step costs
-        (docs/benchmarks.md).
+        a second ~20%), so a first draft pays at lower odds than a deeper one. None (the default): the
+        engine's warm-up chooses them, pricing the heads' held-out drafts at the step costs it measures
+        (speculation.thresholds); DEFAULT_DRAFT_MIN_PROBABILITY where the heads came without held-out
+        drafts.
     """
 
     method: SpeculativeMethod = SpeculativeMethod.OFF
@@ -50,11 +50,12 @@ class SpeculationConfig:
     pause_steps: int = 16
     ngram_max: int = 4
     ngram_min: int = 2
-    draft_min_probability: tuple[float, ...] = (0.15, 0.4, 0.7)
+    draft_min_probability: tuple[float, ...] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "method", SpeculativeMethod(self.method))
-        object.__setattr__(self, "draft_min_probability", min_probabilities(self.draft_min_probability))
+        if self.draft_min_probability is not None:
+            object.__setattr__(self, "draft_min_probability", min_probabilities(self.draft_min_probability))
         if self.num_draft_tokens < 1 or self.max_rows < 1 or self.pause_steps < 0:
             raise ValueError(
                 f"{self.num_draft_tokens=}, {self.max_rows=} must be >= 1, {self.pause_steps=} >= 0"
@@ -62,6 +63,11 @@ class SpeculationConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min={self.ngram_min} <= ngram_max={self.ngram_max}")
 
+
+# Heads distilled on the target's distribution (training.py) are less sure than their hit rate, so
+# these sit below the odds a draft needs: the best of a grid under a Zen 4 EPYC's step costs
+# (docs/benchmarks.md), for heads that come without held-out drafts to choose from.
+DEFAULT_DRAFT_MIN_PROBABILITY = (0.15, 0.4, 0.7)
 
 ACCELERATOR = "accelerator"
 # CPUs where even one row keeps the multipliers busy (the native kernels' AVX2 code, or XLA's), so each

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -60,6 +59,17 @@ class DraftHeads:
     @property
     def hidden_size(self) -> int:
         return self.b.shape[1]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ServedHeads:
+    """What a serving step drafts with: the heads as for_serving lays them out and the probability
+    each depth's draft needs under its head, [depth] float32 (an argument of the step programs, so
+    warm-up can choose it from the step costs it measures without compiling again)."""
+
+    heads: DraftHeads
+    min_probability: jax.Array
 
 
 def init_heads(key: jax.Array, hidden_size: int, depth: int, vocab: jax.Array, out: jax.Array) -> DraftHeads:
@@ -114,18 +124,22 @@ def propose(
     token: jax.Array,  # [rows] int32: each row's last output token
     num_drafts: int,
     kernels: KernelConfig = XLA_KERNELS,
-    min_probability: float | Sequence[float] = 0.0,
+    min_probability: float | Sequence[float] | jax.Array = 0.0,
     drafting: jax.Array | None = None,  # [rows] bool: the rows that draft (default: all)
 ) -> jax.Array:
     """Greedy drafts [rows, num_drafts] int32 for the positions after `token`, -1 from the first draft
     whose probability under its head falls below `min_probability` (a threshold per depth, the last
-    for every deeper draft: config.min_probabilities): a row drafts only what its heads are sure of,
+    for every deeper draft: config.min_probabilities; or an array [num_drafts], a program's argument
+    that can change without compiling again): a row drafts only what its heads are sure of,
     so an unsure step verifies few positions or none (a verification costs more per position it runs;
     the engine picks the narrowest width that holds the batch's drafts).
 
     A head runs only while some drafting row is still sure: a step where no row drafts with the heads
     (prompt lookup, or speculation paused) or whose heads doubt early skips the rest of them."""
-    thresholds = min_probabilities(min_probability)
+    if not isinstance(min_probability, jax.Array):
+        thresholds = min_probabilities(min_probability)
+        min_probability = [depth_threshold(thresholds, i) for i in range(num_drafts)]
+    log_min = jnp.log(jnp.asarray(min_probability, jnp.float32))  # log(0) = -inf: every draft is sure
     sure = jnp.ones(token.shape, bool) if drafting is None else drafting
     drafts = jnp.full((*token.shape, num_drafts), -1, jnp.int32)
 
@@ -133,10 +147,8 @@ def propose(
         z, token, sure, drafts = carry
         z, logits = head_step(heads, i, z, token_features(params, config, token), kernels)
         best = jnp.argmax(logits, axis=-1)
-        threshold = depth_threshold(thresholds, i)
-        if threshold > 0:
-            top = jnp.take_along_axis(logits, best[:, None], axis=-1)[:, 0]
-            sure &= top - jax.nn.logsumexp(logits, axis=-1) >= math.log(threshold)
+        top = jnp.take_along_axis(logits, best[:, None], axis=-1)[:, 0]
+        sure &= top - jax.nn.logsumexp(logits, axis=-1) >= log_min[i]
         token = heads.vocab[best].astype(jnp.int32)
         return z, token, sure, drafts.at[:, i].set(jnp.where(sure, token, -1))
 

@@ -37,14 +37,16 @@ from jaxinfer.kv_cache import contiguous_page_table, init_cache
 from jaxinfer.models.params import Params
 from jaxinfer.models.transformer import XLA_KERNELS, forward_hidden, output_logits
 from jaxinfer.sharding import make_mesh
-from jaxinfer.speculation.config import SpeculationConfig, depth_threshold, min_probabilities
+from jaxinfer.speculation.config import DEFAULT_DRAFT_MIN_PROBABILITY, depth_threshold, min_probabilities
 from jaxinfer.speculation.draft_heads import DraftHeads, init_heads, token_features, unroll_logits
+from jaxinfer.speculation.thresholds import HeldOutDrafts
 from jaxinfer.weight_formats import PackedInt4Weight
 
 PAGE_SIZE = 64  # positions per page of the throwaway cache (the CPU engine's default)
 TOKENS_PER_BATCH = 4096  # rows x padded length of one forward pass: big products, bounded attention memory
 LOGITS_CHUNK = 512  # positions whose full-vocabulary logits exist at once (Gemma 3: 512 MB in float32)
 EVAL_BATCH = 1024
+HELD_OUT_DRAFTS = 16384  # held-out positions kept with the heads to choose thresholds (thresholds.py)
 TEACHER_TOP_K = 16  # the target's choices a distilled head learns per position (~0.9 of its mass)
 
 
@@ -328,6 +330,42 @@ def _eval_batch(trained, fixed, hidden, table, inputs, targets, on_path, weight,
     )
 
 
+@jax.jit
+def _draft_outcomes(trained, fixed, hidden, table, inputs, targets, on_path):
+    """Per example: the probability of each depth's draft under its head [n, depth] and the drafts
+    greedy verification accepts in a row [n]."""
+    logits = _logits(trained, fixed, hidden, table, inputs)
+    probability = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+    correct = (jnp.argmax(logits, axis=-1) == targets) & (targets >= 0)
+    return probability, jnp.sum(jnp.cumprod(correct & on_path, axis=-1), axis=-1)
+
+
+def held_out_drafts(
+    trained,
+    fixed,
+    table,
+    examples: Examples,
+    feature_index: np.ndarray,
+    limit: int = HELD_OUT_DRAFTS,
+    seed: int = 0,
+) -> HeldOutDrafts:
+    """The heads' drafts at up to `limit` of `examples` (a random sample): what thresholds.py prices."""
+    pick = np.sort(np.random.default_rng(seed).permutation(len(examples))[:limit])
+    probability, accepted = [], []
+    for start in range(0, len(pick), EVAL_BATCH):
+        rows = pick[start : start + EVAL_BATCH]
+        p, a = _draft_outcomes(
+            trained, fixed, _padded(examples.hidden[rows], 0), table, _padded(feature_index[rows], 0),
+            _padded(examples.targets[rows], -1), _padded(examples.on_path[rows], False),
+        )  # fmt: skip
+        probability.append(np.asarray(p)[: len(rows)])
+        accepted.append(np.asarray(a)[: len(rows)])
+    depth = examples.inputs.shape[1]
+    if not probability:
+        return HeldOutDrafts(np.zeros((0, depth), np.float32), np.zeros(0, np.int32))
+    return HeldOutDrafts(np.concatenate(probability), np.concatenate(accepted))
+
+
 def _padded(a: np.ndarray, fill) -> jax.Array:
     """a [rows, ...] padded with `fill` to EVAL_BATCH rows (one compiled evaluation shape)."""
     pad = np.full((EVAL_BATCH - len(a), *a.shape[1:]), fill, a.dtype)
@@ -340,13 +378,13 @@ def evaluate(
     table,
     examples: Examples,
     feature_index: np.ndarray,
-    min_probability: float | Sequence[float] = SpeculationConfig.draft_min_probability,
+    min_probability: float | Sequence[float] = DEFAULT_DRAFT_MIN_PROBABILITY,
 ) -> dict:
     """Teacher-forced metrics: loss, top-1 accuracy per depth (a target outside the draft vocabulary
     counts as missed), the share of targets inside it, the mean accepted drafts per step under greedy
     chain acceptance (sum over depths of the product of correctness so far, cut where the text leaves
     the greedy path), and with drafts cut at the first one below `min_probability` (per depth, as the
-    engine drafts: SpeculationConfig.draft_min_probability) the drafts and accepted drafts per step."""
+    engine drafts: draft_heads.propose) the drafts and accepted drafts per step."""
     min_probability = min_probabilities(min_probability)
     n, depth = len(examples), examples.inputs.shape[1]
     if n == 0:
@@ -432,7 +470,8 @@ def train_heads(
     held-out drafts per step: with a few hundred answers the heads soon learn the training text by heart.
     Returns the heads and metrics: "holdout" (evaluate's dict), "train" (the same on up to 4096 training
     examples), "best_step", "loss_start" (the first batch's loss, before any update), "loss_end" (the
-    mean over the last 50 steps) and the sizes.
+    mean over the last 50 steps), "held_out_drafts" (the returned heads' drafts at held-out
+    positions: what thresholds.py prices to choose draft thresholds) and the sizes.
     """
     if len(sequences) != len(first_output_index):
         raise ValueError(f"{len(sequences)=} but {len(first_output_index)=}")
@@ -545,5 +584,6 @@ def train_heads(
         "loss_end": float(losses_np[-50:].mean()) if len(losses_np) else None,
         "train": evaluate(trained, fixed, table, train_sample, feature_index(train_sample.inputs)),
         "holdout": best_holdout or evaluate(trained, fixed, table, holdout, hold_index),
+        "held_out_drafts": held_out_drafts(trained, fixed, table, holdout, hold_index, seed=seed),
     }
     return _heads(trained, fixed), metrics

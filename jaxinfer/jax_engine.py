@@ -406,9 +406,9 @@ class JaxEngine(api.Engine):
         """num_draft_tokens: most drafts a decode step verifies per row (0: no speculation);
         draft_heads: heads that propose drafts in every prefill and verification step (replicated);
         draft_min_probability: the heads draft while their guess is at least this likely, a threshold
-        per depth (propose); None: chosen by warmup() from the heads' `held_out_drafts` and the step
-        costs it measures (speculation.thresholds), DEFAULT_DRAFT_MIN_PROBABILITY until then or where
-        either is missing; program_cache_dir: compiled programs kept there and loaded without tracing
+        per depth (propose); None: chosen by warmup() for each row bucket from the heads'
+        `held_out_drafts` and the step costs it measures (speculation.thresholds),
+        DEFAULT_DRAFT_MIN_PROBABILITY until then or where either is missing; program_cache_dir: compiled programs kept there and loaded without tracing
         (program_cache; one device in one process)."""
         self.mesh = mesh or make_mesh()
         self.kernels = kernels or KernelConfig.for_backend(
@@ -466,12 +466,16 @@ class JaxEngine(api.Engine):
             widths = {*range(1, min(num_draft_tokens, 4) + 1), *power_of_two_buckets(1, num_draft_tokens)}
             self._verify_widths = ((0,) if draft_heads is not None else ()) + tuple(sorted(widths))
         replicated = NamedSharding(self.mesh, P())
-        self._drafter: ServedHeads | None = None
-        self.draft_min_probability: tuple[float, ...] = ()  # per depth, as the heads draft now
+        self._heads = (
+            None
+            if draft_heads is None
+            else jax.device_put(for_serving(draft_heads, self.kernels), replicated)
+        )
+        # By row bucket: the heads with the thresholds that bucket's steps draft by (a prefill chunk
+        # proposes by the smallest bucket's), and those thresholds per depth.
+        self._drafters: dict[int, ServedHeads] = {}
+        self.draft_min_probability: dict[int, tuple[float, ...]] = {}
         if draft_heads is not None:
-            self._drafter = ServedHeads(
-                jax.device_put(for_serving(draft_heads, self.kernels), replicated), jnp.zeros(0)
-            )
             self.set_draft_min_probability(
                 DEFAULT_DRAFT_MIN_PROBABILITY if draft_min_probability is None else draft_min_probability
             )
@@ -517,18 +521,24 @@ class JaxEngine(api.Engine):
 
     @property
     def draft_heads_depth(self) -> int:
-        return 0 if self._drafter is None else self._drafter.heads.depth
+        return 0 if self._heads is None else self._heads.depth
 
-    def set_draft_min_probability(self, min_probability: float | Sequence[float]) -> None:
+    def set_draft_min_probability(
+        self, min_probability: float | Sequence[float], rows: int | None = None
+    ) -> None:
         """The probability each depth's draft needs under its head from now on (propose; the last value
-        for every deeper draft). Takes effect without compiling: the programs read it as an argument."""
-        if self._drafter is None:
+        for every deeper draft), in the steps of row bucket `rows` (None: every bucket). Takes effect
+        without compiling: the programs read it as an argument."""
+        if self._heads is None:
             raise ValueError("this engine has no draft heads")
+        if rows is not None and rows not in self._row_buckets:
+            raise ValueError(f"{rows} rows is not a row bucket of this engine: {self._row_buckets}")
         given = min_probabilities(min_probability)
         values = tuple(depth_threshold(given, i) for i in range(self.draft_heads_depth))
         array = jax.device_put(np.asarray(values, np.float32), NamedSharding(self.mesh, P()))
-        self._drafter = dataclasses.replace(self._drafter, min_probability=array)
-        self.draft_min_probability = values
+        for bucket in self._row_buckets if rows is None else (rows,):
+            self._drafters[bucket] = ServedHeads(self._heads, array)
+            self.draft_min_probability[bucket] = values
 
     # -- State and programs ------------------------------------------------------------------------
     def _init_state(self) -> DecodeState:
@@ -609,7 +619,8 @@ class JaxEngine(api.Engine):
     ) -> jax.Array:
         """A chunk's two programs: the forward pass of its (T, N) bucket, then the one prefill sampler."""
         hidden = self._run(("prefill", tokens.shape[1], page_row.shape[1]), tokens, chunk, page_row)
-        return self._run(("prefill_sample",), self._drafter, hidden, chunk, *sample_args)
+        drafter = self._drafters.get(self._row_buckets[0])
+        return self._run(("prefill_sample",), drafter, hidden, chunk, *sample_args)
 
     def _decode_step(
         self,
@@ -626,11 +637,11 @@ class JaxEngine(api.Engine):
             return self._run(("decode", pages, rows), None, positions, np.zeros((rows, 0), np.int32),
                              page_table, mask)  # fmt: skip
         key = ("verify", pages, rows, drafts.shape[1])
-        if self._drafter is None:
+        if self._heads is None:
             return self._run(key, None, positions, drafts, page_table, mask)
         if drafting is None:
             drafting = positions >= 0
-        return self._run(key, self._drafter, positions, drafts, page_table, mask, drafting)
+        return self._run(key, self._drafters[rows], positions, drafts, page_table, mask, drafting)
 
     def _mask_rows(self, masks: np.ndarray | None, rows: int) -> jax.Array | np.ndarray:
         """Token masks [rows, words] in the model's vocabulary width: tokens a shorter tokenizer
@@ -767,7 +778,7 @@ class JaxEngine(api.Engine):
             counts = np.sum(np.cumprod(given >= 0, axis=1), axis=1)  # each row's drafts: up to its first -1
             longest = int(np.max(counts, initial=0))
             wanted = batch.drafting is None or bool(np.any(batch.drafting[:rows]))
-            proposing = self._drafter is not None and wanted
+            proposing = self._heads is not None and wanted
             if longest or proposing:  # no drafts and nothing for the heads to propose: a plain step
                 drafts = np.full((rows, self._bucket(self._verify_widths, longest)), -1, np.int32)
                 drafts[:, :longest] = given[:, :longest]
@@ -868,16 +879,17 @@ class JaxEngine(api.Engine):
         return time.perf_counter() - start
 
     def _choose_draft_thresholds(self) -> None:
-        """The thresholds under which the heads' held-out drafts yield the most tokens per unit of the
-        one-row step costs just measured (speculation.thresholds): a request decoding alone is where
-        drafts pay most, and over several the batch gate weighs what they cost."""
-        costs = [self.step_costs.ratio(1, n) for n in range(self.draft_heads_depth + 1)]
-        if None in costs:
-            return
-        chosen, speed = best_thresholds(self._held_out_drafts, costs)
-        self.set_draft_min_probability(chosen)
-        log.info("draft thresholds %s: %.3f modeled tokens per plain step's cost at one row (step costs %s)",
-                 chosen, speed, " ".join(f"{c:.2f}" for c in costs))  # fmt: skip
+        """For each row bucket whose step costs were just measured, the thresholds under which the
+        heads' held-out drafts yield the most tokens per unit of those costs (speculation.thresholds);
+        a bucket warm-up did not measure keeps what it had."""
+        for rows in sorted(self.step_costs.plain):
+            costs = [self.step_costs.ratio(rows, n) for n in range(self.draft_heads_depth + 1)]
+            if None in costs:
+                continue
+            chosen, speed = best_thresholds(self._held_out_drafts, costs, rows)
+            self.set_draft_min_probability(chosen, rows)
+            log.info("draft thresholds at %d rows %s: %.3f modeled tokens per row and plain step (step "
+                     "costs %s)", rows, chosen, speed, " ".join(f"{c:.2f}" for c in costs))  # fmt: skip
 
     def _measure_step_costs(
         self, decode: set[tuple[int, int]], verify: set[tuple[int, int, int]], calls: int = 4

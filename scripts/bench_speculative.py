@@ -133,7 +133,8 @@ def main() -> None:
     if runtime.engine.step_costs is not None:
         print(f"step costs (verification in plain steps): {runtime.engine.step_costs.summary()}")
     if runtime.engine.draft_heads_depth:
-        print(f"draft thresholds per depth: {runtime.engine.draft_min_probability}")
+        chosen = runtime.engine.draft_min_probability.items()
+        print("draft thresholds per depth: " + "; ".join(f"{rows} rows {t}" for rows, t in chosen))
     if args.no_batch_gate:
         runtime.engine.step_costs = None  # what the scheduler's batch gate weighs verification with
     tok = runtime.tokenizer

@@ -37,6 +37,28 @@ def test_best_thresholds_is_the_best_of_every_combination():
         assert modeled_speed(drafts, chosen, costs) == pytest.approx(speed, rel=1e-9)
 
 
+def test_steps_of_several_rows_pay_for_their_longest_row():
+    """With several rows a step verifies its longest row of drafts and each row pays that width: the
+    search over such steps is still the best of every combination, and it chooses differently from
+    one row's."""
+    drafts = _drafts(seed=2)
+    costs = (1.02, 1.3, 1.6, 2.0)
+    one, one_speed = best_thresholds(drafts, costs)
+    four, four_speed = best_thresholds(drafts, costs, rows=4)
+    every = {t: modeled_speed(drafts, t, costs, rows=4) for t in itertools.product(GRID, repeat=3)}
+    assert four_speed == pytest.approx(max(every.values()), rel=1e-9)
+    assert four_speed < one_speed
+    # Four rows of drafts rarely all stop short, so a step mostly pays for a first draft anyway: the
+    # one-row thresholds, priced at four rows, do worse than those chosen for them.
+    assert one != four and modeled_speed(drafts, one, costs, rows=4) < four_speed
+    # Rows of one step: the width is the longest row's, so a step of a sure row and an unsure one
+    # costs the sure row's width for both.
+    pair = HeldOutDrafts(np.array([[0.9, 0.9, 0.9], [0.01, 0.01, 0.01]]), np.array([3, 0]))
+    assert modeled_speed(pair, (0.5,), (1.0, 1.5, 2.0, 2.5), rows=2) == pytest.approx((4 + 1) / (2 * 2.5))
+    with pytest.raises(ValueError, match="no step"):
+        best_thresholds(pair, costs, rows=3)
+
+
 def test_dearer_drafts_need_surer_heads():
     """Where a draft costs little, the heads draft at low odds; where it costs nearly a step, only
     their surest drafts pay; a third draft dearer than the others needs more certainty than they do."""

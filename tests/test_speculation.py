@@ -262,18 +262,20 @@ def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
 
 
 def test_warm_up_chooses_the_draft_thresholds_and_changing_them_compiles_nothing():
-    """Without thresholds given, warm-up prices the heads' held-out drafts at the one-row step costs
-    it measured and drafts at the best thresholds (thresholds.best_thresholds). Thresholds are an
-    argument of the programs: setting others compiles nothing, the heads draft by them at once, and
-    greedy output stays the plain output."""
+    """Without thresholds given, warm-up prices the heads' held-out drafts at each row bucket's step
+    costs it measured and drafts there at the best thresholds (thresholds.best_thresholds). Thresholds
+    are an argument of the programs: setting others compiles nothing, the heads draft by them at once,
+    and greedy output stays the plain output."""
     rng = np.random.default_rng(8)
     probability = rng.random((500, 3)).astype(np.float32)
     held_out = HeldOutDrafts(probability, np.sum(np.cumprod(rng.random((500, 3)) < probability, 1), 1))
     engine = _engine(LLAMA, 3, heads=True, draft_min_probability=None, held_out_drafts=held_out)
-    assert engine.draft_min_probability == DEFAULT_DRAFT_MIN_PROBABILITY
-    engine.warmup(prompt_lengths=[12], max_new_tokens=30)
-    costs = [engine.step_costs.ratio(1, n) for n in range(4)]
-    assert engine.draft_min_probability == best_thresholds(held_out, costs)[0]
+    assert engine.draft_min_probability == dict.fromkeys((1, 2, 4), DEFAULT_DRAFT_MIN_PROBABILITY)
+    engine.warmup(prompt_lengths=[12, 12], max_new_tokens=30)  # measures the buckets of 1 and 2 rows
+    for rows in (1, 2):
+        costs = [engine.step_costs.ratio(rows, n) for n in range(4)]
+        assert engine.draft_min_probability[rows] == best_thresholds(held_out, costs, rows)[0]
+    assert engine.draft_min_probability[4] == DEFAULT_DRAFT_MIN_PROBABILITY  # not measured: as it was
 
     compiled = engine.compile_count
     widths = []
@@ -293,14 +295,19 @@ def test_warm_up_chooses_the_draft_thresholds_and_changing_them_compiles_nothing
     spec = SpeculationConfig(method="heads", num_draft_tokens=3, min_accepted=0.0, **no_lookup)
     for threshold, width in [(0.0, 3), (0.999, 0)]:  # random heads: always sure of 0, never of 0.999
         engine.set_draft_min_probability(threshold)
-        assert engine.draft_min_probability == (threshold,) * 3
+        assert engine.draft_min_probability == dict.fromkeys((1, 2, 4), (threshold,) * 3)
         widths.clear()
         (fast,) = generate(engine, tok, prompt, sampling, speculation=spec)
         assert fast.token_ids == plain[0].token_ids
         assert len(widths) > 10 and set(widths[:-2]) == {width}  # the last steps: fewer tokens left
     assert engine.compile_count == compiled
-    with pytest.raises(ValueError):
-        engine.set_draft_min_probability(1.5)
+    engine.set_draft_min_probability((0.2, 0.5), rows=2)  # one bucket's alone
+    assert (
+        engine.draft_min_probability[2] == (0.2, 0.5, 0.5) and engine.draft_min_probability[1] == (0.999,) * 3
+    )
+    for bad in [dict(min_probability=1.5), dict(min_probability=0.5, rows=3)]:
+        with pytest.raises(ValueError):
+            engine.set_draft_min_probability(**bad)
     with pytest.raises(ValueError, match="no draft heads"):
         _engine(LLAMA, 3).set_draft_min_probability(0.5)
 

@@ -5,8 +5,10 @@ sides differ between machines: how sure the heads must be depends on how much a 
 costs here (on an AVX-512 CPU a first draft at one row costs 0.03-0.15 of a plain step, a fourth
 0.2-0.36; docs/benchmarks.md). Training keeps a sample of the heads' held-out drafts (`HeldOutDrafts`:
 each depth's probability under its head, and how many drafts in a row greedy verification accepts);
-warm-up measures what a step of each width costs (step_costs.StepCosts); `best_thresholds` picks the
-per-depth thresholds under which those drafts would have produced the most tokens per unit of cost.
+warm-up measures what a step of each width costs at each row bucket (step_costs.StepCosts);
+`best_thresholds` picks, per row bucket, the per-depth thresholds under which those drafts would have
+produced the most tokens per unit of cost. A step verifies its longest row of drafts and every row
+pays for that width, so with more rows each draft must be surer.
 """
 
 from __future__ import annotations
@@ -71,39 +73,56 @@ def num_drafts(drafts: HeldOutDrafts, thresholds: Sequence[float]) -> np.ndarray
     return np.sum(np.cumprod(sure, axis=1), axis=1)
 
 
-def modeled_speed(drafts: HeldOutDrafts, thresholds: Sequence[float], costs: Sequence[float]) -> float:
-    """Tokens per plain step's cost at these thresholds: each position a step that verifies its
-    drafts, costing costs[d] plain steps for d drafts and producing 1 + the accepted ones."""
-    n = num_drafts(drafts, thresholds)
-    tokens = 1 + np.minimum(drafts.accepted, n)
-    return float(np.mean(tokens) / np.mean(np.asarray(costs, np.float64)[n]))
+def modeled_speed(
+    drafts: HeldOutDrafts, thresholds: Sequence[float], costs: Sequence[float], rows: int = 1
+) -> float:
+    """Tokens per row and plain step's cost at these thresholds: steps of `rows` held-out positions
+    (drawn at random), each verifying its longest row of drafts, costing costs[d] plain steps of as
+    many rows for d drafts, and giving each row 1 + its accepted drafts."""
+    probability, accepted = _steps(drafts, rows)
+    n = num_drafts(HeldOutDrafts(probability, accepted), thresholds)
+    tokens = np.sum(1 + np.minimum(accepted, n))
+    width = np.max(n.reshape(-1, rows), axis=1)
+    return float(tokens / (rows * np.sum(np.asarray(costs, np.float64)[width])))
 
 
 def best_thresholds(
-    drafts: HeldOutDrafts, costs: Sequence[float], grid: Sequence[float] = GRID
+    drafts: HeldOutDrafts, costs: Sequence[float], rows: int = 1, grid: Sequence[float] = GRID
 ) -> tuple[tuple[float, ...], float]:
     """The per-depth thresholds from `grid` with the highest modeled_speed, and that speed.
 
-    costs[d]: a step verifying d drafts (0 .. depth) in plain steps. Every combination is priced at
-    once from per-depth tables, so a 3-deep grid of 13 costs a few milliseconds per thousand drafts."""
+    costs[d]: a step of `rows` rows verifying d drafts (0 .. depth) in plain steps of as many rows.
+    Every combination is priced at once from per-depth tables: a 3-deep grid of 13 over 16,384
+    drafts takes ~0.3 s."""
     if len(costs) != drafts.depth + 1:
         raise ValueError(f"{len(costs)} step costs for heads {drafts.depth} deep (need one per 0..depth)")
+    probability, accepted = _steps(drafts, rows)
     g = np.asarray(grid, np.float32)
     cost = np.asarray(costs, np.float64)
-    sure = drafts.probability[:, :, None] >= g[None, None]  # [n, depth, grid]
+    sure = probability[:, :, None] >= g[None, None]  # [n, depth, grid]
     best, best_speed = None, -1.0
     # The last depth vectorised over the grid, the shallower ones enumerated.
     for head in itertools.product(range(len(g)), repeat=drafts.depth - 1):
-        alive = np.ones(len(drafts.accepted), bool)
-        count = np.zeros(len(drafts.accepted), np.int64)
+        alive = np.ones(len(accepted), bool)
+        count = np.zeros(len(accepted), np.int64)
         for depth, choice in enumerate(head):
             alive &= sure[:, depth, choice]
             count += alive
-        last = alive[:, None] & sure[:, -1]  # [n, grid]
-        n = count[:, None] + last
-        tokens = np.sum(1 + np.minimum(drafts.accepted[:, None], n), axis=0)
-        speed = tokens / np.sum(cost[n], axis=0)  # [grid]
+        n = count[:, None] + (alive[:, None] & sure[:, -1])  # [n, grid]
+        tokens = np.sum(1 + np.minimum(accepted[:, None], n), axis=0)
+        width = np.max(n.reshape(-1, rows, len(g)), axis=1)  # [steps, grid]
+        speed = tokens / (rows * np.sum(cost[width], axis=0))
         i = int(np.argmax(speed))
         if speed[i] > best_speed:
             best, best_speed = (*head, i), float(speed[i])
     return tuple(float(grid[i]) for i in best), best_speed
+
+
+def _steps(drafts: HeldOutDrafts, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The drafts in a fixed random order, cut to whole steps of `rows`: consecutive groups of `rows`
+    are the rows of one step."""
+    steps = len(drafts.accepted) // rows
+    if rows < 1 or steps == 0:
+        raise ValueError(f"{len(drafts.accepted)} held-out drafts make no step of {rows} rows")
+    order = np.random.default_rng(0).permutation(len(drafts.accepted))[: steps * rows]
+    return drafts.probability[order], drafts.accepted[order]

@@ -408,8 +408,9 @@ class JaxEngine(api.Engine):
         draft_min_probability: the heads draft while their guess is at least this likely, a threshold
         per depth (propose); None: chosen by warmup() for each row bucket from the heads'
         `held_out_drafts` and the step costs it measures (speculation.thresholds),
-        DEFAULT_DRAFT_MIN_PROBABILITY until then or where either is missing; program_cache_dir: compiled programs kept there and loaded without tracing
-        (program_cache; one device in one process)."""
+        DEFAULT_DRAFT_MIN_PROBABILITY until then or where either is missing; program_cache_dir:
+        compiled programs kept there and loaded without tracing (program_cache; one device in one
+        process)."""
         self.mesh = mesh or make_mesh()
         self.kernels = kernels or KernelConfig.for_backend(
             jax.default_backend(), "xla", single_device=self.mesh.size == 1

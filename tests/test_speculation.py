@@ -204,6 +204,19 @@ def _engine(
     )
 
 
+def _verify_widths_of(engine: JaxEngine) -> list[int]:
+    """The width of each verification step `engine` runs from now on, in order."""
+    widths, run = [], engine._run
+
+    def logged(key, *args):
+        if key[0] == "verify":
+            widths.append(key[3])
+        return run(key, *args)
+
+    engine._run = logged
+    return widths
+
+
 @pytest.mark.parametrize("method", ["ngram", "heads"])
 @pytest.mark.parametrize("config", [LLAMA, GEMMA], ids=["llama", "gemma3"])
 def test_greedy_speculation_gives_the_plain_tokens(config, method):
@@ -239,15 +252,7 @@ def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
     assert set(costs.plain) == {1, 2} and set(costs.verify) == {(r, w) for r in (1, 2) for w in range(5)}
     assert costs.ratio(2, 3) == costs.verify[2, 3] / costs.plain[2] > 0
     engine.step_costs = None  # the widths below must not depend on this machine's timings
-    widths = []
-    run = engine._run
-
-    def logged(key, *args):
-        if key[0] == "verify":
-            widths.append(key[3])
-        return run(key, *args)
-
-    engine._run = logged
+    widths = _verify_widths_of(engine)
     rng = np.random.default_rng(4)
     prompts = [list(rng.integers(0, LLAMA.vocab_size, n)) for n in (9, 14)]
     sampling = [SamplingParams(temperature=0, max_tokens=m) for m in (40, 31)]
@@ -278,19 +283,11 @@ def test_warm_up_chooses_the_draft_thresholds_and_changing_them_compiles_nothing
     assert engine.draft_min_probability[4] == DEFAULT_DRAFT_MIN_PROBABILITY  # not measured: as it was
 
     compiled = engine.compile_count
-    widths = []
-    run = engine._run
-
-    def logged(key, *args):
-        if key[0] == "verify":
-            widths.append(key[3])
-        return run(key, *args)
-
     tok = IdTokenizer(LLAMA.vocab_size)
     prompt = [list(rng.integers(0, LLAMA.vocab_size, 12))]
     sampling = [SamplingParams(temperature=0, max_tokens=30)]
     plain = generate(engine, tok, prompt, sampling)
-    engine._run = logged
+    widths = _verify_widths_of(engine)
     no_lookup = dict(ngram_min=100, ngram_max=100)  # only the heads draft
     spec = SpeculationConfig(method="heads", num_draft_tokens=3, min_accepted=0.0, **no_lookup)
     for threshold, width in [(0.0, 3), (0.999, 0)]:  # random heads: always sure of 0, never of 0.999

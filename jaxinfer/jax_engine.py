@@ -885,40 +885,58 @@ class JaxEngine(api.Engine):
         a bucket warm-up did not measure keeps what it had."""
         for rows in sorted(self.step_costs.plain):
             costs = [self.step_costs.ratio(rows, n) for n in range(self.draft_heads_depth + 1)]
-            if None in costs:
+            head = self.step_costs.head_ratio(rows)
+            if None in costs or head is None:
                 continue
-            chosen, speed = best_thresholds(self._held_out_drafts, costs, rows)
+            chosen, speed = best_thresholds(self._held_out_drafts, costs, rows, head)
             self.set_draft_min_probability(chosen, rows)
             log.info("draft thresholds at %d rows %s: %.3f modeled tokens per row and plain step (step "
-                     "costs %s)", rows, chosen, speed, " ".join(f"{c:.2f}" for c in costs))  # fmt: skip
+                     "costs %s, a head %.3f)", rows, chosen, speed, " ".join(f"{c:.2f}" for c in costs),
+                     head)  # fmt: skip
 
     def _measure_step_costs(
-        self, decode: set[tuple[int, int]], verify: set[tuple[int, int, int]], calls: int = 4
+        self, decode: set[tuple[int, int]], verify: set[tuple[int, int, int]], calls: int = 4, rounds: int = 3
     ) -> StepCosts:
         """Times the warmed-up programs of each row bucket that verifies, in the smallest page bucket
         compiled for it, with no row listed (they change nothing): `calls` plain steps sent one after
-        another as the serving loop sends them (the faster of two rounds), and `calls` verification
-        steps per width, each read before the next goes out (their median): against the noise of a
-        shared machine."""
-        plain, verified = {}, {}
+        another as the serving loop sends them (their mean), `calls` verification steps per width,
+        each read before the next goes out (their median), and with heads, their full depth run apart
+        (the median of `calls`, per depth). Each is the fastest of `rounds` rounds, the kinds
+        interleaved: the noise of a shared machine only ever adds time."""
+        plain, verified, head = {}, {}, {}
         for rows in sorted({r for _, r, _ in verify}):
             pages = min(p for p, r in decode if r == rows)
-            times = []
-            for _ in range(2):  # two rounds of back-to-back steps
+            widths = {
+                w: min(p for p, r, v in verify if (r, v) == (rows, w)) for _, r, w in verify if r == rows
+            }
+            heads = self._heads_timer(rows) if self._heads is not None else None
+            for _ in range(rounds):
                 begin = time.perf_counter()
                 steps = [self._idle_step(pages, rows, None) for _ in range(calls)]
                 np.asarray(steps[-1])
-                times.append((time.perf_counter() - begin) / calls)
-            plain[rows] = min(times)
-            for width in sorted({w for _, r, w in verify if r == rows}):
-                pages = min(p for p, r, w in verify if (r, w) == (rows, width))
-                times = []
-                for _ in range(calls):
-                    begin = time.perf_counter()
-                    np.asarray(self._idle_step(pages, rows, width))
-                    times.append(time.perf_counter() - begin)
-                verified[rows, width] = float(np.median(times))
-        return StepCosts(plain, verified)
+                plain[rows] = min(plain.get(rows, np.inf), (time.perf_counter() - begin) / calls)
+                for width, at in sorted(widths.items()):
+                    seconds = _median_seconds(lambda: self._idle_step(at, rows, width), calls)  # noqa: B023
+                    verified[rows, width] = min(verified.get((rows, width), np.inf), seconds)
+                if heads is not None:
+                    seconds = _median_seconds(heads, calls) / self.draft_heads_depth
+                    head[rows] = min(head.get(rows, np.inf), seconds)
+        return StepCosts(plain, verified, head)
+
+    def _heads_timer(self, rows: int):
+        """A call that runs the heads' full depth at `rows` rows (every draft sure) and returns its
+        drafts: the heads' cost, which a warm-up step (no row listed) never pays."""
+        depth = self.draft_heads_depth
+        config, kernels, every = self.config, self.kernels, jnp.zeros(depth, jnp.float32)
+
+        def full_depth(heads, params, hidden, token):
+            return propose(heads, params, config, hidden, token, depth, kernels, every)
+
+        fn = jax.jit(full_depth)
+        hidden = jnp.zeros((rows, self.config.hidden_size), jnp.float32)
+        token = jnp.zeros(rows, jnp.int32)
+        compiled = fn.lower(self._heads, self._sampler_params, hidden, token).compile()
+        return lambda: compiled(self._heads, self._sampler_params, hidden, token)
 
     def _idle_step(self, pages: int, rows: int, width: int | None) -> jax.Array:
         """A decode (width None) or verification step of the (pages, rows, width) bucket that lists no
@@ -939,6 +957,16 @@ _STEPS = {
     "decode": (_step, True),
     "verify": (_step, True),
 }
+
+
+def _median_seconds(call, calls: int) -> float:
+    """The median wall time of `calls` calls, each one's result read before the next."""
+    times = []
+    for _ in range(calls):
+        begin = time.perf_counter()
+        np.asarray(call())
+        times.append(time.perf_counter() - begin)
+    return float(np.median(times))
 
 
 def _settings(s: SamplingParams) -> SlotSampling:

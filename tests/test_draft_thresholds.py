@@ -7,7 +7,14 @@ import itertools
 import numpy as np
 import pytest
 
-from jaxinfer.speculation.thresholds import GRID, HeldOutDrafts, best_thresholds, modeled_speed, num_drafts
+from jaxinfer.speculation.thresholds import (
+    GRID,
+    HeldOutDrafts,
+    best_thresholds,
+    modeled_speed,
+    num_drafts,
+    step_cost,
+)
 
 
 def _drafts(n: int = 3000, depth: int = 3, seed: int = 0) -> HeldOutDrafts:
@@ -57,6 +64,18 @@ def test_steps_of_several_rows_pay_for_their_longest_row():
     assert modeled_speed(pair, (0.5,), (1.0, 1.5, 2.0, 2.5), rows=2) == pytest.approx((4 + 1) / (2 * 2.5))
     with pytest.raises(ValueError, match="no step"):
         best_thresholds(pair, costs, rows=3)
+
+
+def test_step_costs_never_fall_with_more_drafts_and_carry_the_heads():
+    """A noisy measurement saying more drafts cost less is read as the cheaper width's cost; the heads
+    run one depth past the longest row's drafts, up to their depth."""
+    cost = step_cost((1.05, 1.3, 1.2, 1.25), head_cost=0.04, depth=3)
+    np.testing.assert_allclose(cost, [1.05 + 0.04, 1.3 + 0.08, 1.3 + 0.12, 1.3 + 0.12])
+    drafts = _drafts(seed=3)
+    free, _ = best_thresholds(drafts, (1.0, 1.0, 1.0, 1.0))
+    heads_cost, _ = best_thresholds(drafts, (1.0, 1.0, 1.0, 1.0), head_cost=0.1)
+    assert free == (GRID[0],) * 3  # drafts that cost nothing: draft everything
+    assert heads_cost != free  # running a head deeper for an unlikely draft now costs
 
 
 def test_dearer_drafts_need_surer_heads():

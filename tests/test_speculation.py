@@ -277,9 +277,12 @@ def test_warm_up_chooses_the_draft_thresholds_and_changing_them_compiles_nothing
     engine = _engine(LLAMA, 3, heads=True, draft_min_probability=None, held_out_drafts=held_out)
     assert engine.draft_min_probability == dict.fromkeys((1, 2, 4), DEFAULT_DRAFT_MIN_PROBABILITY)
     engine.warmup(prompt_lengths=[12, 12], max_new_tokens=30)  # measures the buckets of 1 and 2 rows
+    assert set(engine.step_costs.head) == {1, 2}  # one depth of the heads, timed apart
     for rows in (1, 2):
         costs = [engine.step_costs.ratio(rows, n) for n in range(4)]
-        assert engine.draft_min_probability[rows] == best_thresholds(held_out, costs, rows)[0]
+        head = engine.step_costs.head_ratio(rows)
+        assert 0 < head < 1
+        assert engine.draft_min_probability[rows] == best_thresholds(held_out, costs, rows, head)[0]
     assert engine.draft_min_probability[4] == DEFAULT_DRAFT_MIN_PROBABILITY  # not measured: as it was
 
     compiled = engine.compile_count

@@ -23,11 +23,15 @@ class StepCosts:
     verify: seconds of a verification step by (row bucket, width bucket), its tokens read before the
         next goes out (the drafts of the next step follow from them). Width 0 is a step in which the
         draft heads propose but nothing is verified.
+    head: seconds one depth of the draft heads adds to a step, by row bucket (the heads' full depth
+        timed apart, divided by it; empty without heads): warm-up steps list no row, so the heads
+        never run in them.
     Row buckets cover slot indices, as the engine's programs do: a step over slots 0 and 5 runs in the
     bucket of 8 rows."""
 
     plain: Mapping[int, float]
     verify: Mapping[tuple[int, int], float]
+    head: Mapping[int, float] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if {rows for rows, _ in self.verify} != set(self.plain):
@@ -48,10 +52,17 @@ class StepCosts:
         widths = [w for r, w in self.verify if r == rows and w >= width]
         return self.verify[rows, min(widths)] / self.plain[rows] if widths else None
 
+    def head_ratio(self, slots: int) -> float | None:
+        """One depth of the heads over the first `slots` slots, in plain steps over them; None where
+        unmeasured."""
+        rows = self.rows(slots)
+        return self.head[rows] / self.plain[rows] if rows in self.head else None
+
     def summary(self) -> str:
         """One line: each row bucket's plain step in ms and its verification steps in plain steps."""
         parts = []
         for rows in sorted(self.plain):
             widths = " ".join(f"{w}:{self.ratio(rows, w):.2f}" for r, w in sorted(self.verify) if r == rows)
-            parts.append(f"{rows} rows {1e3 * self.plain[rows]:.1f} ms, drafts {widths}")
+            head = f", a head {self.head_ratio(rows):.3f}" if rows in self.head else ""
+            parts.append(f"{rows} rows {1e3 * self.plain[rows]:.1f} ms, drafts {widths}{head}")
         return "; ".join(parts)

@@ -5,7 +5,8 @@ sides differ between machines: how sure the heads must be depends on how much a 
 costs here (on an AVX-512 CPU a first draft at one row costs 0.03-0.15 of a plain step, a fourth
 0.2-0.36; docs/benchmarks.md). Training keeps a sample of the heads' held-out drafts (`HeldOutDrafts`:
 each depth's probability under its head, and how many drafts in a row greedy verification accepts);
-warm-up measures what a step of each width costs at each row bucket (step_costs.StepCosts);
+warm-up measures what a step of each width and one depth of the heads cost at each row bucket
+(step_costs.StepCosts);
 `best_thresholds` picks, per row bucket, the per-depth thresholds under which those drafts would have
 produced the most tokens per unit of cost. A step verifies its longest row of drafts and every row
 pays for that width, so with more rows each draft must be surer.
@@ -74,31 +75,49 @@ def num_drafts(drafts: HeldOutDrafts, thresholds: Sequence[float]) -> np.ndarray
 
 
 def modeled_speed(
-    drafts: HeldOutDrafts, thresholds: Sequence[float], costs: Sequence[float], rows: int = 1
+    drafts: HeldOutDrafts,
+    thresholds: Sequence[float],
+    costs: Sequence[float],
+    rows: int = 1,
+    head_cost: float = 0.0,
 ) -> float:
     """Tokens per row and plain step's cost at these thresholds: steps of `rows` held-out positions
-    (drawn at random), each verifying its longest row of drafts, costing costs[d] plain steps of as
-    many rows for d drafts, and giving each row 1 + its accepted drafts."""
+    (drawn at random), each verifying its longest row of drafts and giving each row 1 + its accepted
+    drafts (step_cost: what such a step costs)."""
     probability, accepted = _steps(drafts, rows)
     n = num_drafts(HeldOutDrafts(probability, accepted), thresholds)
     tokens = np.sum(1 + np.minimum(accepted, n))
     width = np.max(n.reshape(-1, rows), axis=1)
-    return float(tokens / (rows * np.sum(np.asarray(costs, np.float64)[width])))
+    return float(tokens / (rows * np.sum(step_cost(costs, head_cost, drafts.depth)[width])))
+
+
+def step_cost(costs: Sequence[float], head_cost: float, depth: int) -> np.ndarray:
+    """[depth + 1]: what a step verifying d drafts costs in plain steps, its heads included.
+
+    costs[d]: the verification step alone (step_costs.StepCosts.ratio), made non-decreasing in d (a
+    step verifying more positions does not cost less; a noisy measurement can say it does); head_cost:
+    one depth of the heads, which run one depth past the longest row's drafts, up to their depth."""
+    verify = np.maximum.accumulate(np.asarray(costs, np.float64))
+    return verify + head_cost * np.minimum(np.arange(len(costs)) + 1, depth)
 
 
 def best_thresholds(
-    drafts: HeldOutDrafts, costs: Sequence[float], rows: int = 1, grid: Sequence[float] = GRID
+    drafts: HeldOutDrafts,
+    costs: Sequence[float],
+    rows: int = 1,
+    head_cost: float = 0.0,
+    grid: Sequence[float] = GRID,
 ) -> tuple[tuple[float, ...], float]:
     """The per-depth thresholds from `grid` with the highest modeled_speed, and that speed.
 
-    costs[d]: a step of `rows` rows verifying d drafts (0 .. depth) in plain steps of as many rows.
-    Every combination is priced at once from per-depth tables: a 3-deep grid of 13 over 16,384
-    drafts takes ~0.3 s."""
+    costs[d]: a step of `rows` rows verifying d drafts (0 .. depth) in plain steps of as many rows;
+    head_cost: one depth of the heads in the same unit (step_cost). Every combination is priced at
+    once from per-depth tables: a 3-deep grid of 13 over 16,384 drafts takes ~0.3 s."""
     if len(costs) != drafts.depth + 1:
         raise ValueError(f"{len(costs)} step costs for heads {drafts.depth} deep (need one per 0..depth)")
     probability, accepted = _steps(drafts, rows)
     g = np.asarray(grid, np.float32)
-    cost = np.asarray(costs, np.float64)
+    cost = step_cost(costs, head_cost, drafts.depth)
     sure = probability[:, :, None] >= g[None, None]  # [n, depth, grid]
     best, best_speed = None, -1.0
     # The last depth vectorised over the grid, the shallower ones enumerated.

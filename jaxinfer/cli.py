@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, ModelNotFoundError
-from jaxinfer.speculation.config import DEFAULT_DRAFT_MIN_PROBABILITY, min_probabilities, server_config
+from jaxinfer.speculation.config import DEFAULT_DRAFT_MIN_PROBABILITY, draft_thresholds, server_config
 
 # quantization.QUANTIZATION_MODES, spelled out so that `jaxinfer --help` does not import jax
 QUANTIZATION_MODES = ("none", "int8", "int4")
@@ -113,10 +113,10 @@ def _add_runtime_args(p: argparse.ArgumentParser, *, slots: int) -> None:
     )  # fmt: skip
     p.add_argument("--draft-heads", default=None, help="draft heads folder (scripts/train_draft_heads.py)")
     p.add_argument(
-        "--draft-min-probability", type=min_probabilities, default=None,
+        "--draft-min-probability", type=draft_thresholds, default=None,
         help="draft heads draft while their guess is at least this likely: one value, or one per depth "
-        "(comma-separated; the last holds for deeper drafts); default: chosen at warm-up from the heads' "
-        "held-out drafts and this machine's step costs, else "
+        "(comma-separated; the last holds for deeper drafts), or auto: chosen at warm-up from the heads' "
+        "held-out drafts and this machine's step costs; default "
         + ",".join(map(str, DEFAULT_DRAFT_MIN_PROBABILITY)),
     )  # fmt: skip
 

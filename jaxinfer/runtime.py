@@ -41,7 +41,7 @@ from jaxinfer.quantization import (
 from jaxinfer.registry import DEFAULT_MODEL, EMBEDDED_MODELS, resolve_model
 from jaxinfer.request import ModelDefaults
 from jaxinfer.sharding import TENSOR, make_mesh, param_placement
-from jaxinfer.speculation.config import SpeculationConfig, SpeculativeMethod
+from jaxinfer.speculation.config import AUTO, SpeculationConfig, SpeculativeMethod
 from jaxinfer.speculation.draft_heads import HEADS_FILE, DraftHeads, load_heads
 from jaxinfer.speculation.thresholds import HeldOutDrafts
 from jaxinfer.tokenizer import Tokenizer
@@ -301,6 +301,13 @@ def _draft_heads(
     return heads, HeldOutDrafts.load(path)
 
 
+def _engine_thresholds(spec: SpeculationConfig | None) -> tuple[float, ...] | None:
+    """The engine's draft_min_probability: None (chosen at warm-up) for AUTO."""
+    if spec is None:
+        return (0.0,)
+    return None if spec.draft_min_probability == AUTO else spec.draft_min_probability
+
+
 def enable_compilation_cache(directory: str | None) -> None:
     """JAX's persistent compilation cache: the second start of the same programs skips XLA compilation."""
     if not directory:
@@ -427,7 +434,7 @@ def build_runtime(options: RuntimeOptions) -> Runtime:
         kernels=kernels,
         num_draft_tokens=spec.num_draft_tokens if spec is not None else 0,
         draft_heads=heads,
-        draft_min_probability=spec.draft_min_probability if spec is not None else 0.0,
+        draft_min_probability=_engine_thresholds(spec),
         held_out_drafts=held_out,
         program_cache_dir=programs,
     )

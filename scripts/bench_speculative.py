@@ -39,7 +39,7 @@ from jaxinfer.request import SamplingParams, with_eos  # noqa: E402
 from jaxinfer.runtime import RuntimeOptions, build_runtime  # noqa: E402
 from jaxinfer.speculation.config import (  # noqa: E402
     SpeculativeMethod,
-    min_probabilities,
+    draft_thresholds,
     server_config,
 )
 
@@ -95,9 +95,9 @@ def main() -> None:
     )
     ap.add_argument("--draft-heads", default=None)
     ap.add_argument(
-        "--draft-min-probability", type=min_probabilities, default=None,
-        help="heads draft while their guess is at least this likely (per depth, comma-separated); default: "
-        "chosen at warm-up (speculation/thresholds.py)",
+        "--draft-min-probability", type=draft_thresholds, default=None,
+        help="heads draft while their guess is at least this likely (per depth, comma-separated), or auto: "
+        "chosen at warm-up (speculation/thresholds.py); default: SpeculationConfig's",
     )  # fmt: skip
     ap.add_argument(
         "--crossover", type=int, nargs="*", default=None,

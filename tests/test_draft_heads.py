@@ -18,9 +18,11 @@ from jaxinfer.models.transformer import forward_hidden, output_logits
 from jaxinfer.quantization import quantize_params
 from jaxinfer.sharding import make_mesh
 from jaxinfer.speculation.config import (
+    AUTO,
     DEFAULT_DRAFT_MIN_PROBABILITY,
     SpeculationConfig,
     depth_threshold,
+    draft_thresholds,
     min_probabilities,
 )
 from jaxinfer.speculation.draft_heads import (
@@ -308,6 +310,11 @@ def test_min_probabilities_per_depth():
     assert min_probabilities([0, 0.9]) == (0.0, 0.9)
     assert [depth_threshold((0.25, 0.65), d) for d in range(4)] == [0.25, 0.65, 0.65, 0.65]
     assert SpeculationConfig(draft_min_probability=0.3).draft_min_probability == (0.3,)
+    assert SpeculationConfig().draft_min_probability == DEFAULT_DRAFT_MIN_PROBABILITY
+    assert SpeculationConfig(draft_min_probability="auto").draft_min_probability == AUTO  # chosen at warm-up
+    assert draft_thresholds("auto") == AUTO and draft_thresholds("0.2,0.5") == (0.2, 0.5)
+    with pytest.raises(ValueError):
+        draft_thresholds("automatic")
     for bad in (1.0, "0.2,-0.1", (), "x"):
         with pytest.raises(ValueError):
             min_probabilities(bad)

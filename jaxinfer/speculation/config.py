@@ -37,10 +37,12 @@ class SpeculationConfig:
     draft_min_probability: draft heads draft while their guess is at least this likely under them
         (draft_heads.propose), one threshold per depth (the last for every deeper draft): on CPU a
         verified position costs more the more positions a step verifies (a first draft ~8% of a step,
-        a second ~20%), so a first draft pays at lower odds than a deeper one. None (the default): the
-        engine's warm-up chooses them, pricing the heads' held-out drafts at the step costs it measures
-        (speculation.thresholds); DEFAULT_DRAFT_MIN_PROBABILITY where the heads came without held-out
-        drafts.
+        a second ~20%), so a first draft pays at lower odds than a deeper one. AUTO: the engine's
+        warm-up chooses them per row bucket, pricing the heads' held-out drafts at the step costs it
+        measures (speculation.thresholds; DEFAULT_DRAFT_MIN_PROBABILITY where the heads came without
+        held-out drafts). Not the default: on a Zen 5 EPYC the chosen ones ran chat 1.54-1.58x against
+        the default's 1.61-1.63x (docs/benchmarks.md); warm-up's step costs there move 20-40% between
+        runs.
     """
 
     method: SpeculativeMethod = SpeculativeMethod.OFF
@@ -50,12 +52,11 @@ class SpeculationConfig:
     pause_steps: int = 16
     ngram_max: int = 4
     ngram_min: int = 2
-    draft_min_probability: tuple[float, ...] | None = None
+    draft_min_probability: tuple[float, ...] | str = (0.15, 0.4, 0.7)
 
     def __post_init__(self):
         object.__setattr__(self, "method", SpeculativeMethod(self.method))
-        if self.draft_min_probability is not None:
-            object.__setattr__(self, "draft_min_probability", min_probabilities(self.draft_min_probability))
+        object.__setattr__(self, "draft_min_probability", draft_thresholds(self.draft_min_probability))
         if self.num_draft_tokens < 1 or self.max_rows < 1 or self.pause_steps < 0:
             raise ValueError(
                 f"{self.num_draft_tokens=}, {self.max_rows=} must be >= 1, {self.pause_steps=} >= 0"
@@ -66,8 +67,9 @@ class SpeculationConfig:
 
 # Heads distilled on the target's distribution (training.py) are less sure than their hit rate, so
 # these sit below the odds a draft needs: the best of a grid under a Zen 4 EPYC's step costs
-# (docs/benchmarks.md), for heads that come without held-out drafts to choose from.
-DEFAULT_DRAFT_MIN_PROBABILITY = (0.15, 0.4, 0.7)
+# (docs/benchmarks.md).
+DEFAULT_DRAFT_MIN_PROBABILITY = SpeculationConfig.draft_min_probability
+AUTO = "auto"  # draft thresholds chosen at warm-up (SpeculationConfig.draft_min_probability)
 
 ACCELERATOR = "accelerator"
 # CPUs where even one row keeps the multipliers busy (the native kernels' AVX2 code, or XLA's), so each
@@ -143,6 +145,11 @@ def min_probabilities(value: float | str | Sequence[float]) -> tuple[float, ...]
     if not values or not all(0.0 <= v < 1.0 for v in values):
         raise ValueError(f"draft_min_probability={value} must be one or more values in [0, 1)")
     return values
+
+
+def draft_thresholds(value: float | str | Sequence[float]) -> tuple[float, ...] | str:
+    """AUTO for "auto", else min_probabilities(value)."""
+    return AUTO if value == AUTO else min_probabilities(value)
 
 
 def depth_threshold(thresholds: Sequence[float], depth: int) -> float:

@@ -5,9 +5,9 @@ whether or not its own drafts were any good. How much more than a plain step tha
 backend, the model and the row count (a CPU's multipliers stay idle at one row and fill up with
 several), so the engine measures it once its programs are compiled (JaxEngine.warmup) and the scheduler
 weighs each verification step's tokens against it (speculation.gate.BatchGate). Warm-up steps list no
-row (they must change nothing), so what runs only for listed rows is left out: the draft heads and
-attention's reads of the cache. The ratios understate a real step's cost a little, and the gate errs
-towards speculating.
+row (they must change nothing), so what runs only for listed rows is left out: attention's reads of
+the cache, and the draft heads, which are timed apart (`head`). The ratios understate a real step's
+cost a little, and the gate errs towards speculating.
 """
 
 from __future__ import annotations

@@ -900,16 +900,18 @@ class JaxEngine(api.Engine):
         """Times the warmed-up programs of each row bucket that verifies, in the smallest page bucket
         compiled for it, with no row listed (they change nothing): `calls` plain steps sent one after
         another as the serving loop sends them (their mean), `calls` verification steps per width,
-        each read before the next goes out (their median), and with heads, their full depth run apart
-        (the median of `calls`, per depth). Each is the fastest of `rounds` rounds, the kinds
-        interleaved: the noise of a shared machine only ever adds time."""
+        each read before the next goes out (their median), and where warm-up chooses the draft
+        thresholds, the heads' full depth run apart (the median of `calls`, per depth). Each is the
+        fastest of `rounds` rounds, the kinds interleaved: the noise of a shared machine only ever adds
+        time."""
         plain, verified, head = {}, {}, {}
         for rows in sorted({r for _, r, _ in verify}):
             pages = min(p for p, r in decode if r == rows)
             widths = {
                 w: min(p for p, r, v in verify if (r, v) == (rows, w)) for _, r, w in verify if r == rows
             }
-            heads = self._heads_timer(rows) if self._heads is not None else None
+            # Only the threshold choice prices the heads: a server that does not choose compiles no timer.
+            heads = self._heads_timer(rows) if self._held_out_drafts is not None else None
             for _ in range(rounds):
                 begin = time.perf_counter()
                 steps = [self._idle_step(pages, rows, None) for _ in range(calls)]

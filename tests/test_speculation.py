@@ -251,6 +251,7 @@ def test_unsure_heads_verify_narrower_steps_and_keep_the_plain_tokens():
     costs = engine.step_costs
     assert set(costs.plain) == {1, 2} and set(costs.verify) == {(r, w) for r in (1, 2) for w in range(5)}
     assert costs.ratio(2, 3) == costs.verify[2, 3] / costs.plain[2] > 0
+    assert not costs.head  # fixed thresholds: the heads are timed only to choose them
     engine.step_costs = None  # the widths below must not depend on this machine's timings
     widths = _verify_widths_of(engine)
     rng = np.random.default_rng(4)

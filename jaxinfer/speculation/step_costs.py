@@ -24,8 +24,8 @@ class StepCosts:
         next goes out (the drafts of the next step follow from them). Width 0 is a step in which the
         draft heads propose but nothing is verified.
     head: seconds one depth of the draft heads adds to a step, by row bucket (the heads' full depth
-        timed apart, divided by it; empty without heads): warm-up steps list no row, so the heads
-        never run in them.
+        timed apart, divided by it; measured only where warm-up chooses the draft thresholds): warm-up
+        steps list no row, so the heads never run in them.
     Row buckets cover slot indices, as the engine's programs do: a step over slots 0 and 5 runs in the
     bucket of 8 rows."""
 

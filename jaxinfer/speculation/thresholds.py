@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.speculation.config import depth_threshold
+
 HELD_OUT_FILE = "held_out_drafts.npz"
 # Candidate thresholds per depth: finer where the heads are unsure, where most of their drafts lie.
 GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -69,7 +71,7 @@ class HeldOutDrafts:
 def num_drafts(drafts: HeldOutDrafts, thresholds: Sequence[float]) -> np.ndarray:
     """[n]: the drafts each position would verify, up to the first one below its depth's threshold
     (the last threshold for every deeper depth, as draft_heads.propose cuts them)."""
-    t = [thresholds[min(i, len(thresholds) - 1)] for i in range(drafts.depth)]
+    t = [depth_threshold(thresholds, i) for i in range(drafts.depth)]
     sure = drafts.probability >= np.asarray(t, np.float32)[None]
     return np.sum(np.cumprod(sure, axis=1), axis=1)
 

@@ -313,8 +313,7 @@ def _eval_batch(trained, fixed, hidden, table, inputs, targets, on_path, weight,
     valid = targets >= 0
     picked = jnp.take_along_axis(logits, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]
     lse = jax.nn.logsumexp(logits, axis=-1)
-    correct = (jnp.argmax(logits, axis=-1) == targets) & valid  # a target outside is never drafted
-    chain = jnp.cumprod(correct & on_path, axis=-1)  # drafts accepted up to depth i
+    correct, chain = _verified(logits, targets, on_path)
     log_thresholds = jnp.log(jnp.asarray(
         [max(depth_threshold(min_probability, i), 1e-30) for i in range(logits.shape[1])]
     ))  # fmt: skip
@@ -336,8 +335,14 @@ def _draft_outcomes(trained, fixed, hidden, table, inputs, targets, on_path):
     greedy verification accepts in a row [n]."""
     logits = _logits(trained, fixed, hidden, table, inputs)
     probability = jnp.exp(jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1))
+    return probability, jnp.sum(_verified(logits, targets, on_path)[1], axis=-1)
+
+
+def _verified(logits, targets, on_path):
+    """(correct, chain) [n, depth]: each depth's draft is the target's choice (a target outside the
+    draft vocabulary is never drafted), and greedy verification accepts the drafts up to it."""
     correct = (jnp.argmax(logits, axis=-1) == targets) & (targets >= 0)
-    return probability, jnp.sum(jnp.cumprod(correct & on_path, axis=-1), axis=-1)
+    return correct, jnp.cumprod(correct & on_path, axis=-1)
 
 
 def held_out_drafts(

@@ -3,6 +3,7 @@ measured in one run, alternating.
 
     .venv/bin/python scripts/bench_speculative.py [--model smollm2-135m-instruct] [--num-draft-tokens N]
         [--max-tokens 256] [--repeats 3] [--draft-heads DIR] [--streams 16]
+        [--draft-min-probability T | --compare-thresholds T1 T2 ...]
 
 Workloads (scripts/speculation_prompts.py), greedy, the model's chat template:
   code edit, 1 stream, n-gram drafts: a module to return with a variable renamed (the answer repeats
@@ -40,6 +41,7 @@ from jaxinfer.runtime import RuntimeOptions, build_runtime  # noqa: E402
 from jaxinfer.speculation.config import (  # noqa: E402
     SpeculativeMethod,
     draft_thresholds,
+    min_probabilities,
     server_config,
 )
 
@@ -58,7 +60,8 @@ def run(runtime, prompts, sampling, speculation):
 
 
 def compare(runtime, name, prompts, sampling, speculation, repeats) -> dict:
-    plain, fast, same, drafted, accepted, steps = [], [], True, 0, 0, 0
+    """One workload, a plain and a speculative run alternated --repeats times."""
+    plain, fast, same, drafted, accepted = [], [], True, 0, 0
     for _ in range(repeats):
         rate, base, _ = run(runtime, prompts, sampling, None)
         plain.append(rate)
@@ -67,7 +70,37 @@ def compare(runtime, name, prompts, sampling, speculation, repeats) -> dict:
         same &= all(a.token_ids == b.token_ids for a, b in zip(base, spec))
         drafted += sum(r.num_draft_tokens for r in spec)
         accepted += sum(r.num_accepted_tokens for r in spec)
-        steps += sum(len(r.token_ids) for r in spec)
+    return _row(name, plain, fast, same, drafted, accepted)
+
+
+def compare_thresholds(runtime, name, prompts, sampling, speculation, repeats, settings) -> list[dict]:
+    """A heads workload at each of several draft thresholds, in one process: per repeat, a plain run
+    and then a speculative run per setting (set on the engine, which compiles nothing), so every
+    setting meets the same phase of a drifting machine. A row per setting."""
+    engine = runtime.engine
+    kept = dict(engine.draft_min_probability)
+    plain, runs = [], {t: dict(fast=[], same=True, drafted=0, accepted=0) for t in settings}
+    for _ in range(repeats):
+        rate, base, _ = run(runtime, prompts, sampling, None)
+        plain.append(rate)
+        for t in settings:
+            engine.set_draft_min_probability(t)
+            rate, spec, _ = run(runtime, prompts, sampling, speculation)
+            r = runs[t]
+            r["fast"].append(rate)
+            r["same"] &= all(a.token_ids == b.token_ids for a, b in zip(base, spec))
+            r["drafted"] += sum(x.num_draft_tokens for x in spec)
+            r["accepted"] += sum(x.num_accepted_tokens for x in spec)
+    for rows, values in kept.items():
+        engine.set_draft_min_probability(values, rows)
+    return [
+        _row(f"{name}, thresholds {','.join(map(str, t))}", plain, r["fast"], r["same"], r["drafted"],
+             r["accepted"])
+        for t, r in runs.items()
+    ]  # fmt: skip
+
+
+def _row(name, plain, fast, same, drafted, accepted) -> dict:
     p, f = statistics.median(plain), statistics.median(fast)
     row = dict(
         workload=name, plain=p, speculative=f, ratio=f / p, acceptance=accepted / max(drafted, 1),
@@ -98,6 +131,11 @@ def main() -> None:
         "--draft-min-probability", type=draft_thresholds, default=None,
         help="heads draft while their guess is at least this likely (per depth, comma-separated), or auto: "
         "chosen at warm-up (speculation/thresholds.py); default: SpeculationConfig's",
+    )  # fmt: skip
+    ap.add_argument(
+        "--compare-thresholds", type=min_probabilities, nargs="+", default=None,
+        help="instead of one setting: the one-stream chats with the heads at each of these per-depth "
+        "thresholds (comma-separated), alternated in one process over shared plain runs",
     )  # fmt: skip
     ap.add_argument(
         "--crossover", type=int, nargs="*", default=None,
@@ -162,19 +200,25 @@ def main() -> None:
     for method in methods:
         spec = dataclasses.replace(config, method=method)
         for i, text in enumerate(CHAT_PROMPTS[: args.chat_prompts]):
-            rows.append(
-                compare(runtime, f"chat {i}, 1 stream, {method}", [chat(text)], sampling, spec, args.repeats)
-            )
+            name = f"chat {i}, 1 stream, {method}"
+            if method == SpeculativeMethod.HEADS and args.compare_thresholds:
+                rows += compare_thresholds(
+                    runtime, name, [chat(text)], sampling, spec, args.repeats, args.compare_thresholds
+                )
+            else:
+                rows.append(compare(runtime, name, [chat(text)], sampling, spec, args.repeats))
     many = [chat(t) for t in (CHAT_PROMPTS * args.streams)[: args.streams]]
     spec = dataclasses.replace(config, method=methods[-1])
     rows.append(
         compare(runtime, f"chat, {args.streams} streams, {methods[-1]}", many, sampling, spec, args.repeats)
     )
-    for method in methods:
-        chats = [r for r in rows if r["workload"].startswith("chat ") and r["workload"].endswith(str(method))]
-        if chats:
-            print(f"chat, 1 stream, {method}: geometric mean ratio "
-                  f"{statistics.geometric_mean(r['ratio'] for r in chats):.2f}x")  # fmt: skip
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["workload"].startswith("chat ") and ", 1 stream, " in r["workload"]:
+            groups.setdefault(r["workload"].split(", 1 stream, ")[1], []).append(r)
+    for group, chats in groups.items():
+        print(f"chat, 1 stream, {group}: geometric mean ratio "
+              f"{statistics.geometric_mean(r['ratio'] for r in chats):.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -134,8 +134,8 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument(
         "--compare-thresholds", type=min_probabilities, nargs="+", default=None,
-        help="instead of one setting: the one-stream chats with the heads at each of these per-depth "
-        "thresholds (comma-separated), alternated in one process over shared plain runs",
+        help="instead of one setting: the chats with the heads at each of these per-depth thresholds "
+        "(comma-separated), alternated in one process over shared plain runs",
     )  # fmt: skip
     ap.add_argument(
         "--crossover", type=int, nargs="*", default=None,
@@ -209,9 +209,11 @@ def main() -> None:
                 rows.append(compare(runtime, name, [chat(text)], sampling, spec, args.repeats))
     many = [chat(t) for t in (CHAT_PROMPTS * args.streams)[: args.streams]]
     spec = dataclasses.replace(config, method=methods[-1])
-    rows.append(
-        compare(runtime, f"chat, {args.streams} streams, {methods[-1]}", many, sampling, spec, args.repeats)
-    )
+    name = f"chat, {args.streams} streams, {methods[-1]}"
+    if methods[-1] == SpeculativeMethod.HEADS and args.compare_thresholds:
+        rows += compare_thresholds(runtime, name, many, sampling, spec, args.repeats, args.compare_thresholds)
+    else:
+        rows.append(compare(runtime, name, many, sampling, spec, args.repeats))
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if r["workload"].startswith("chat ") and ", 1 stream, " in r["workload"]:

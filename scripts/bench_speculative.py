@@ -59,24 +59,10 @@ def run(runtime, prompts, sampling, speculation):
     return decode_tokens / max(decode_time, 1e-9), results, wall
 
 
-def compare(runtime, name, prompts, sampling, speculation, repeats) -> dict:
-    """One workload, a plain and a speculative run alternated --repeats times."""
-    plain, fast, same, drafted, accepted = [], [], True, 0, 0
-    for _ in range(repeats):
-        rate, base, _ = run(runtime, prompts, sampling, None)
-        plain.append(rate)
-        rate, spec, _ = run(runtime, prompts, sampling, speculation)
-        fast.append(rate)
-        same &= all(a.token_ids == b.token_ids for a, b in zip(base, spec))
-        drafted += sum(r.num_draft_tokens for r in spec)
-        accepted += sum(r.num_accepted_tokens for r in spec)
-    return _row(name, plain, fast, same, drafted, accepted)
-
-
-def compare_thresholds(runtime, name, prompts, sampling, speculation, repeats, settings) -> list[dict]:
-    """A heads workload at each of several draft thresholds, in one process: per repeat, a plain run
-    and then a speculative run per setting (set on the engine, which compiles nothing), so every
-    setting meets the same phase of a drifting machine. A row per setting."""
+def compare(runtime, name, prompts, sampling, speculation, repeats, settings=(None,)) -> list[dict]:
+    """One workload, per repeat a plain run and then a speculative run per draft-threshold setting
+    (None: the engine's own; others are set on the engine, which compiles nothing), so every setting
+    meets the same phase of a drifting machine. A row per setting."""
     engine = runtime.engine
     kept = dict(engine.draft_min_probability)
     plain, runs = [], {t: dict(fast=[], same=True, drafted=0, accepted=0) for t in settings}
@@ -84,7 +70,8 @@ def compare_thresholds(runtime, name, prompts, sampling, speculation, repeats, s
         rate, base, _ = run(runtime, prompts, sampling, None)
         plain.append(rate)
         for t in settings:
-            engine.set_draft_min_probability(t)
+            if t is not None:
+                engine.set_draft_min_probability(t)
             rate, spec, _ = run(runtime, prompts, sampling, speculation)
             r = runs[t]
             r["fast"].append(rate)
@@ -94,8 +81,8 @@ def compare_thresholds(runtime, name, prompts, sampling, speculation, repeats, s
     for rows, values in kept.items():
         engine.set_draft_min_probability(values, rows)
     return [
-        _row(f"{name}, thresholds {','.join(map(str, t))}", plain, r["fast"], r["same"], r["drafted"],
-             r["accepted"])
+        _row(name if t is None else f"{name}, thresholds {','.join(map(str, t))}", plain, r["fast"],
+             r["same"], r["drafted"], r["accepted"])
         for t, r in runs.items()
     ]  # fmt: skip
 
@@ -192,28 +179,26 @@ def main() -> None:
             compare(runtime, f"code edit, {n} streams, ngram", [chat(CODE_EDIT_PROMPT)] * n, sampling, forced,
                     args.repeats)  # fmt: skip
         return
-    rows = [compare(runtime, "code edit, 1 stream, ngram", [chat(CODE_EDIT_PROMPT)], sampling, config,
-                    args.repeats)]  # fmt: skip
+    rows = compare(runtime, "code edit, 1 stream, ngram", [chat(CODE_EDIT_PROMPT)], sampling, config,
+                   args.repeats)  # fmt: skip
     methods = [SpeculativeMethod.NGRAM]
+
+    def settings(method: SpeculativeMethod) -> tuple:
+        """The draft thresholds a workload of `method` runs at (None: the engine's own)."""
+        compared = method == SpeculativeMethod.HEADS and args.compare_thresholds
+        return tuple(args.compare_thresholds) if compared else (None,)
+
     if runtime.engine.draft_heads_depth:
         methods.append(SpeculativeMethod.HEADS)
     for method in methods:
         spec = dataclasses.replace(config, method=method)
         for i, text in enumerate(CHAT_PROMPTS[: args.chat_prompts]):
             name = f"chat {i}, 1 stream, {method}"
-            if method == SpeculativeMethod.HEADS and args.compare_thresholds:
-                rows += compare_thresholds(
-                    runtime, name, [chat(text)], sampling, spec, args.repeats, args.compare_thresholds
-                )
-            else:
-                rows.append(compare(runtime, name, [chat(text)], sampling, spec, args.repeats))
+            rows += compare(runtime, name, [chat(text)], sampling, spec, args.repeats, settings(method))
     many = [chat(t) for t in (CHAT_PROMPTS * args.streams)[: args.streams]]
     spec = dataclasses.replace(config, method=methods[-1])
     name = f"chat, {args.streams} streams, {methods[-1]}"
-    if methods[-1] == SpeculativeMethod.HEADS and args.compare_thresholds:
-        rows += compare_thresholds(runtime, name, many, sampling, spec, args.repeats, args.compare_thresholds)
-    else:
-        rows.append(compare(runtime, name, many, sampling, spec, args.repeats))
+    rows += compare(runtime, name, many, sampling, spec, args.repeats, settings(methods[-1]))
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if r["workload"].startswith("chat ") and ", 1 stream, " in r["workload"]:

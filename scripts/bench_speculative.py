@@ -78,8 +78,9 @@ def compare(runtime, name, prompts, sampling, speculation, repeats, settings=(No
             r["same"] &= all(a.token_ids == b.token_ids for a, b in zip(base, spec))
             r["drafted"] += sum(x.num_draft_tokens for x in spec)
             r["accepted"] += sum(x.num_accepted_tokens for x in spec)
-    for rows, values in kept.items():
-        engine.set_draft_min_probability(values, rows)
+    if settings != (None,):  # put back what the engine drafted by
+        for rows, values in kept.items():
+            engine.set_draft_min_probability(values, rows)
     return [
         _row(name if t is None else f"{name}, thresholds {','.join(map(str, t))}", plain, r["fast"],
              r["same"], r["drafted"], r["accepted"])
